@@ -1,0 +1,326 @@
+"""Frozen, hashable configs: the model architecture and the two named presets.
+
+``ModelConfig`` gathers one dataclass per sub-network. Field names are this project's; the mapping
+to and from the release's nested ``config.json`` (plus the LLM's own ``config.json``) lives in
+``voicechat_jax.release_config``. Derived sizes are properties; invariants are checked in
+``__post_init__``. ``voicechat_11b()`` holds the release's values, ``tiny()`` a small random-weight
+model with every kind of layer present, used by the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+# Special token ids of the Nemotron text tokenizer (model-spec §2): <s>, </s>, <SPECIAL_12>.
+BOS_ID = 1
+EOS_ID = 2
+PAD_ID = 12
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class MelConfig:
+    """NeMo ``AudioToMelSpectrogramPreprocessor`` as the release configures it (eval mode)."""
+
+    sample_rate: int = 16000
+    n_fft: int = 512
+    win_length: int = 400
+    hop_length: int = 160
+    n_mels: int = 128
+    preemph: float = 0.97
+    mag_power: float = 2.0
+    log_zero_guard: float = 2.0**-24  # NeMo's 'add' guard
+    samples_per_frame: int = 1280  # one 80 ms model frame
+
+    def __post_init__(self):
+        _check(self.samples_per_frame % self.hop_length == 0, "frame must be whole mel hops")
+
+    @property
+    def n_freq(self) -> int:
+        return self.n_fft // 2 + 1
+
+    @property
+    def mels_per_frame(self) -> int:
+        return self.samples_per_frame // self.hop_length
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+    """Cache-aware causal FastConformer (``ConformerEncoder``) plus ``perception.proj``."""
+
+    mel: MelConfig = MelConfig()
+    d_model: int = 1024
+    n_layers: int = 24
+    n_heads: int = 8
+    ff_expansion: int = 4
+    conv_kernel: int = 9
+    subsampling_factor: int = 8
+    subsampling_channels: int = 256
+    att_left_context: int = 70  # att_context_size [70, 0]: 70 frames left, no lookahead
+    xscaling: bool = True  # rel-pos encoding scales its input by sqrt(d_model)
+    pos_emb_max_len: int = 5000
+    output_dim: int = 4480  # perception.proj out = LLM width
+    pre_encode_cache: int = 9  # mel frames kept for the subsampling convs (NeMo streaming cfg)
+    drop_pre_encoded: int = 2
+    ln_eps: float = 1e-5
+
+    def __post_init__(self):
+        _check(self.d_model % self.n_heads == 0, "encoder d_model must divide by n_heads")
+        _check(self.subsampling_factor == 8, "only dw_striding x8 is supported")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_model * self.ff_expansion
+
+    @property
+    def subsampled_freq(self) -> int:
+        f = self.mel.n_mels
+        for _ in range(int(math.log2(self.subsampling_factor))):
+            f = (f + 2 + 1 - 3) // 2 + 1  # causal padding (2 before, 1 after), k 3, stride 2
+        return f
+
+
+@dataclasses.dataclass(frozen=True)
+class LLMConfig:
+    """Nemotron-H hybrid backbone (Nemotron-Nano-9B-v2) with the duplex input sum and heads."""
+
+    vocab_size: int = 131072
+    d_model: int = 4480
+    pattern: str = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
+    n_heads: int = 40
+    n_kv_heads: int = 8
+    head_dim: int = 128
+    mlp_dim: int = 15680
+    mamba_heads: int = 128
+    mamba_head_dim: int = 80
+    ssm_state: int = 128
+    n_groups: int = 8
+    conv_kernel: int = 4
+    norm_eps: float = 1e-5
+    text_weight: float = 1.0  # duplex_text_channel_weight
+    user_weight: float = 1.0  # duplex_user_channel_weight
+    function_weight: float = 2.0  # duplex_function_channel_weight
+    use_function_head: bool = True
+    bos_id: int = BOS_ID
+    eos_id: int = EOS_ID
+    pad_id: int = PAD_ID
+
+    def __post_init__(self):
+        _check(set(self.pattern) <= set("M-*"), f"unknown layer kind in pattern {self.pattern!r}")
+        _check(self.n_heads % self.n_kv_heads == 0, "LLM n_heads must divide by n_kv_heads")
+        _check(self.mamba_heads % self.n_groups == 0, "mamba heads must divide by n_groups")
+        _check(max(self.bos_id, self.eos_id, self.pad_id) < self.vocab_size, "special ids >= V")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.pattern)
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """Indices of the layers of one kind: 'M' Mamba-2, '-' MLP, '*' attention."""
+        return tuple(i for i, k in enumerate(self.pattern) if k == kind)
+
+    @property
+    def d_inner(self) -> int:
+        return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.ssm_state
+
+    @property
+    def in_proj_dim(self) -> int:
+        return self.d_inner + self.conv_dim + self.mamba_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class RNNTConfig:
+    """The RNNT transcript side head: LSTM prediction net + joint, greedy decoding."""
+
+    vocab_size: int = 1024  # blank is id vocab_size
+    pred_hidden: int = 640
+    pred_layers: int = 2
+    joint_hidden: int = 640
+    encoder_hidden: int = 1024
+    max_symbols: int = 10  # per encoder frame
+
+    @property
+    def blank_id(self) -> int:
+        return self.vocab_size
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeechDecoderConfig:
+    """EarTTS (``RVQEARTTSModel``): Gemma-3 backbone, char-aware text side, MoG head, sampler."""
+
+    d_model: int = 1152
+    n_layers: int = 28
+    n_heads: int = 16
+    n_kv_heads: int = 16
+    head_dim: int = 72
+    mlp_dim: int = 4608
+    norm_eps: float = 1e-6
+    query_pre_attn_scalar: float = 256.0
+    sliding_window: int = 7500
+    global_every: int = 6  # layer i is global iff (i + 1) % global_every == 0
+    rope_local_base: float = 10000.0
+    rope_global_base: float = 1000000.0
+    # char-aware subword encoder
+    char_vocab: int = 257  # 256 single-char tokens + padding
+    cas_layers: int = 1
+    cas_softcap: float = 50.0
+    # heads and codes
+    latent_size: int = 512
+    n_quantizers: int = 31
+    codebook_size: int = 1024  # id codebook_size is the mask / speech pad
+    mog_components: int = 1024
+    mog_rank: int = 64
+    mog_mlp_layers: int = 3
+    mog_min_log_std: float = -4.0
+    # sampler (released values; model-spec §3)
+    num_iter: int = 8
+    exponent: float = 3.0
+    guidance_scale: float = 0.2
+    top_p: float = 0.95
+    noise_scale: float = 0.001
+    prompt_frames: int = 37  # audio_prompt_latents length (3.0 s)
+
+    def __post_init__(self):
+        _check(self.n_heads % self.n_kv_heads == 0, "speech decoder heads must divide by kv heads")
+
+    def is_global(self, layer: int) -> bool:
+        return (layer + 1) % self.global_every == 0
+
+    @property
+    def layer_is_global(self) -> tuple[bool, ...]:
+        return tuple(self.is_global(i) for i in range(self.n_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecConfig:
+    """RVQ-VAE codec (``RVQVAEModel``): 22.05 kHz, one code frame = prod(rates) * hop samples."""
+
+    sample_rate: int = 22050
+    n_fft: int = 16
+    hop_length: int = 4
+    base_hidden: int = 384
+    channel_mult: tuple[int, ...] = (1, 2, 4)
+    rates: tuple[int, ...] = (7, 7, 9)
+    num_blocks: int = 3
+    kernel_size: int = 7
+    latent_size: int = 512
+    n_quantizers: int = 31
+    codebook_size: int = 1024
+
+    def __post_init__(self):
+        _check(len(self.channel_mult) == len(self.rates), "one channel_mult per rate")
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.hop_length * math.prod(self.rates)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The whole Nemotron VoiceChat model."""
+
+    encoder: EncoderConfig = EncoderConfig()
+    llm: LLMConfig = LLMConfig()
+    rnnt: RNNTConfig = RNNTConfig()
+    tts: SpeechDecoderConfig = SpeechDecoderConfig()
+    codec: CodecConfig = CodecConfig()
+    frame_ms: int = 80
+
+    def __post_init__(self):
+        _check(self.encoder.output_dim == self.llm.d_model, "perception.proj must emit LLM width")
+        _check(self.rnnt.encoder_hidden == self.encoder.d_model, "RNNT joint reads encoder width")
+        _check(self.tts.latent_size == self.codec.latent_size, "speech decoder/codec latent")
+        _check(self.tts.n_quantizers == self.codec.n_quantizers, "speech decoder/codec Q")
+        _check(self.tts.codebook_size == self.codec.codebook_size, "speech decoder/codec codebook")
+        _check(
+            self.encoder.mel.samples_per_frame * 1000
+            == self.frame_ms * self.encoder.mel.sample_rate,
+            "input frame must be one model frame",
+        )
+        _check(
+            self.codec.samples_per_frame * 1000 == self.frame_ms * self.codec.sample_rate,
+            "codec frame must be one model frame",
+        )
+
+
+def voicechat_11b() -> ModelConfig:
+    """The released Nemotron VoiceChat 11B (model-spec §1)."""
+    return ModelConfig()
+
+
+def tiny() -> ModelConfig:
+    """A small model with every kind of layer, for tests on the CPU.
+
+    LLM: Mamba-2, MLP and attention layers; speech decoder: sliding and global layers (window 8,
+    so a 60-frame test crosses it); codec: three quantizers; encoder: left context 8 frames.
+    """
+    return ModelConfig(
+        encoder=EncoderConfig(
+            d_model=32,
+            n_layers=2,
+            n_heads=4,
+            ff_expansion=4,
+            conv_kernel=9,
+            subsampling_channels=8,
+            att_left_context=8,
+            output_dim=64,
+        ),
+        llm=LLMConfig(
+            vocab_size=512,
+            d_model=64,
+            pattern="M-*M-*",
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            mlp_dim=96,
+            mamba_heads=8,
+            mamba_head_dim=8,
+            ssm_state=16,
+            n_groups=2,
+            conv_kernel=4,
+        ),
+        rnnt=RNNTConfig(
+            vocab_size=32, pred_hidden=16, pred_layers=2, joint_hidden=16, encoder_hidden=32
+        ),
+        tts=SpeechDecoderConfig(
+            d_model=48,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=4,
+            head_dim=12,
+            mlp_dim=96,
+            sliding_window=8,
+            global_every=2,
+            latent_size=16,
+            n_quantizers=3,
+            codebook_size=32,
+            mog_components=8,
+            mog_rank=4,
+            mog_mlp_layers=2,
+        ),
+        codec=CodecConfig(
+            base_hidden=8,
+            channel_mult=(1, 2, 4),
+            rates=(7, 7, 9),
+            num_blocks=1,
+            latent_size=16,
+            n_quantizers=3,
+            codebook_size=32,
+        ),
+    )
+
+
+PRESETS = {"voicechat_11b": voicechat_11b, "tiny": tiny}

@@ -1,0 +1,48 @@
+"""Small numeric building blocks shared by the sub-networks (norms, dense layers, init helpers)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """``x @ w (+ b)`` with ``w`` stored [in, out] (a torch Linear [out, in] transposed)."""
+    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+    if b is not None:
+        y = y + b.astype(y.dtype)
+    return y
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in fp32; ``offset=1.0`` gives Gemma's ``(1 + w)`` scale.
+
+    The result is cast back to ``x.dtype`` (as both the HF Nemotron-H and Gemma-3 norms do).
+    """
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (offset + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis, computed in fp32."""
+    xf = x.astype(jnp.float32)
+    mu = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
+    y = (xf - mu) * jax.lax.rsqrt(var + eps) * w.astype(jnp.float32) + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def normal(key: jax.Array, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
+    """A random-normal weight, for ``init`` of random test models."""
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def fan_in_normal(key: jax.Array, shape: tuple[int, ...], dtype, fan_in: int) -> jax.Array:
+    """A random-normal weight scaled by ``1/sqrt(fan_in)``, so random models keep unit scale."""
+    return normal(key, shape, dtype, std=fan_in**-0.5)
+
+
+def count_params(tree) -> int:
+    """Total element count of a parameter pytree (concrete or ``jax.eval_shape`` abstract)."""
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(tree))
