@@ -98,6 +98,7 @@ def fill(
     *,
     keys: Iterable[str] | None = None,
     on_tensor: Callable[[KeyRule, np.ndarray], np.ndarray] | None = None,
+    param_prefix: str = "",
 ):
     """Build concrete params (NumPy leaves) from release tensors, strictly.
 
@@ -108,12 +109,20 @@ def fill(
       tensors: a mapping, or a function loading one tensor by name (for streaming loads).
       keys: every key present in the source; defaults to ``tensors.keys()``.
       on_tensor: an optional hook applied to each transformed tensor (the converter's checks).
+      param_prefix: fill only this sub-tree of ModelParams (``abstract_params`` is that sub-tree).
 
     Raises:
       KeyTableError: naming the keys that map nowhere, the rule keys that are missing, the slots
         filled twice or never, and any shape mismatch.
     """
     rules = list(rules)
+    if param_prefix:
+        # Fill one sub-tree (e.g. only ``llm``): rule paths are relative to the whole ModelParams.
+        strip = param_prefix + "."
+        bad = [r.param for r in rules if not r.param.startswith(strip)]
+        if bad:
+            raise KeyTableError(f"rules outside {param_prefix!r}: {bad[:5]}")
+        rules = [dataclasses.replace(r, param=r.param[len(strip) :]) for r in rules]
     load = tensors.__getitem__ if isinstance(tensors, Mapping) else tensors
     source_keys = set(keys if keys is not None else tensors.keys())
     by_key: dict[str, KeyRule] = {}
