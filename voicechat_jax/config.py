@@ -324,3 +324,40 @@ def tiny() -> ModelConfig:
 
 
 PRESETS = {"voicechat_11b": voicechat_11b, "tiny": tiny}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """How a server runs the model: slots, beat, context cap, sampling and kernel choices.
+
+    The tick compiles once per ``ServeConfig`` (with the ``ModelConfig``); everything a live session
+    changes at run time (joining, leaving, its audio) is data, never a new shape.
+    """
+
+    slots: int = 4  # B: concurrent sessions the state is sized for
+    frames_per_tick: int = 2  # model frames advanced per beat (2 = a 160 ms beat)
+    context_frames: int = 1500  # per-slot cache cap (120 s at 80 ms)
+    at_cap: str = "end"  # 'end': the session ends with an event; 'rollover': re-seeded
+    speech_sampling: str = "faithful"  # 'faithful' (NeMo's sampler) | 'deterministic'
+    system_prompt: tuple[int, ...] = ()  # token ids prefilled as [BOS] + ids + [EOS], if any
+    attention: str = "xla"  # decode attention implementation: 'xla' | 'cudnn'
+    deadline_ms: float | None = None  # default: the beat period
+
+    def __post_init__(self):
+        _check(self.slots >= 1, "slots must be >= 1")
+        _check(self.frames_per_tick >= 1, "frames_per_tick must be >= 1")
+        _check(self.context_frames >= self.frames_per_tick, "context cap below one beat")
+        _check(self.at_cap in ("end", "rollover"), f"at_cap must be end|rollover: {self.at_cap}")
+        _check(
+            self.speech_sampling in ("faithful", "deterministic"),
+            f"speech_sampling must be faithful|deterministic: {self.speech_sampling}",
+        )
+        _check(self.attention in ("xla", "cudnn"), f"attention must be xla|cudnn: {self.attention}")
+
+    @property
+    def beat_ms(self) -> float:
+        return 80.0 * self.frames_per_tick
+
+    @property
+    def deterministic(self) -> bool:
+        return self.speech_sampling == "deterministic"
