@@ -1,0 +1,651 @@
+"""Host side of the serving engine: beat clock, audio I/O, slots and input queues, metrics.
+
+Everything timed runs on a fake time source, so the tests are exact and take no wall time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import pathlib
+import re
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from voicechat_jax.serving import (
+    FRAME_LEN,
+    AudioInputError,
+    BeatClock,
+    CapacityError,
+    InputQueues,
+    MetricsRecorder,
+    Session,
+    SlotTable,
+    decode_pcm16,
+    format_table,
+    frames,
+    prometheus_text,
+    read_wav,
+    validate_frame,
+    write_wav,
+)
+
+P = 0.16  # seconds per tick: 2 frames of 80 ms
+BEAT = 2 * FRAME_LEN  # input samples per tick
+ASSETS = pathlib.Path(__file__).resolve().parent.parent / "assets"
+
+
+class FakeTime:
+    """A monotonic time source whose sleep advances it exactly."""
+
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+        self.sleeps: list[float] = []
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.t += seconds
+
+
+def _clock(mode: str = "realtime", **kw) -> tuple[BeatClock, FakeTime]:
+    ft = FakeTime()
+    return BeatClock(P, mode, now=ft.now, sleep=ft.sleep, **kw), ft
+
+
+# ---------------------------------------------------------------------------------------------
+# Clock
+
+
+def test_clock_realtime_sleeps_until_start_and_reports_lateness():
+    clock, ft = _clock()
+    t0 = clock.begin()
+    first = clock.wait_for_tick(0)
+    assert first.start == t0
+    assert first.late_s == 0.0
+    assert ft.sleeps == []
+    ft.t += 0.05  # tick 0 took 50 ms: the host is early for tick 1 and sleeps the rest
+    second = clock.wait_for_tick(1)
+    assert ft.sleeps == [pytest.approx(P - 0.05)]
+    assert second.began == pytest.approx(t0 + P)
+    assert second.late_s == pytest.approx(0.0)
+    assert second.deadline == pytest.approx(t0 + 2 * P)
+    ft.t = t0 + 2 * P + 0.03  # 30 ms late for tick 2: no sleep, lateness reported
+    third = clock.wait_for_tick(2)
+    assert len(ft.sleeps) == 1
+    assert third.start == pytest.approx(t0 + 2 * P)
+    assert third.late_s == pytest.approx(0.03)
+    assert third.skipped == 0
+    assert clock.late_ticks == 1
+
+
+def test_clock_never_bursts_after_a_stall():
+    clock, ft = _clock()
+    t0 = clock.begin()
+    work = [0.05, 0.05, 0.5, 0.05, 0.05, 0.05, 0.3, 0.05]  # two stalls: 500 ms and 300 ms
+    ran, timings, last = [], [], None
+    for w in work:
+        k = clock.next_tick(last)
+        timing = clock.wait_for_tick(k)
+        ran.append(k)
+        timings.append(timing)
+        ft.t += w
+        last = k
+    # Tick 2 ends at t0 + 2P + 0.5 = inside tick 5's slot: ticks 3 and 4 are skipped, not run.
+    # Tick 8 (begun at t0 + 8P) ends at t0 + 8P + 0.3, inside tick 9's slot: tick 9 runs late.
+    assert ran == [0, 1, 2, 5, 6, 7, 8, 9]
+    assert [t.skipped for t in timings] == [0, 0, 0, 2, 0, 0, 0, 0]
+    assert clock.skipped_total == 2
+    # Every tick began inside its own slot: never two ticks for one period of wall time.
+    for t in timings:
+        assert t0 + t.tick * P <= t.began < t0 + (t.tick + 1) * P
+    assert timings[3].late_s == pytest.approx(0.5 - 3 * P)  # began in tick 5's slot
+    assert timings[7].late_s == pytest.approx(0.3 - P)
+    begins = [t.began for t in timings]
+    assert len(set(ran)) == len(ran)
+    assert begins == sorted(begins)
+
+
+def test_clock_late_by_more_than_a_period_still_runs_one_tick():
+    clock, ft = _clock()
+    t0 = clock.begin()
+    ft.t = t0 + 3.5 * P
+    timing = clock.wait_for_tick(1)  # the host insists on tick 1: it is told how late it is
+    assert timing.late_s == pytest.approx(2.5 * P)
+    assert clock.due_tick() == 3
+    assert clock.next_tick(1) == 3
+
+
+def test_clock_offline_runs_back_to_back():
+    clock, ft = _clock("offline")
+    t0 = ft.t
+    a = clock.wait_for_tick(0)
+    ft.t += 0.4  # slower than real time: offline never counts that as late
+    b = clock.wait_for_tick(1)
+    assert (a.start, b.start) == (t0, t0 + 0.4)
+    assert a.late_s == b.late_s == 0.0
+    assert ft.sleeps == []
+    assert clock.deadline(1) == pytest.approx(t0 + 0.4 + P)
+    assert clock.tick_start(0) == t0
+    assert clock.next_tick(1) == 2
+    assert clock.next_tick(None) == 0
+    with pytest.raises(KeyError):
+        clock.tick_start(7)
+
+
+def test_clock_tighter_deadline_and_bad_arguments():
+    clock, _ = _clock(deadline_s=0.1)
+    t0 = clock.begin(t0=5.0)
+    assert t0 == 5.0
+    assert clock.deadline(3) == pytest.approx(5.0 + 3 * P + 0.1)
+    with pytest.raises(ValueError, match="deadline_s"):
+        BeatClock(P, deadline_s=0.2)
+    with pytest.raises(ValueError, match="mode"):
+        BeatClock(P, "fast")
+    with pytest.raises(RuntimeError, match="begin"):
+        BeatClock(P).wait_for_tick(0)
+
+
+def test_clock_due_tick_exact_boundaries():
+    clock, ft = _clock()
+    t0 = clock.begin()
+    for k in range(200):
+        ft.t = t0 + k * P  # exactly at a start: that tick is due, whatever float rounding does
+        assert clock.due_tick() == k
+
+
+def test_clock_real_time_source():
+    clock = BeatClock(0.01)
+    clock.begin()
+    timings = [clock.wait_for_tick(k) for k in range(3)]
+    for t in timings:
+        assert t.began >= t.start
+        assert t.late_s >= 0.0
+    assert timings[2].start - timings[0].start == pytest.approx(0.02)
+
+
+# ---------------------------------------------------------------------------------------------
+# Audio
+
+
+def _riff(tag: int, channels: int, rate: int, bits: int, payload: bytes, data_size=None) -> bytes:
+    block = channels * bits // 8
+    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * block, block, bits)
+    size = len(payload) if data_size is None else data_size
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", size) + payload
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def test_write_then_read_pcm16_round_trip(tmp_path):
+    x = np.random.default_rng(0).uniform(-0.9, 0.9, 3000).astype(np.float32)
+    write_wav(tmp_path / "a.wav", x, rate=16000)
+    y = read_wav(tmp_path / "a.wav")
+    assert y.dtype == np.float32
+    assert y.shape == (3000,)
+    np.testing.assert_array_equal(y, np.round(x * 32767) / np.float32(32768))
+    assert np.abs(y - x).max() < 2 / 32768
+
+
+def test_write_wav_clips_and_rejects_nan(tmp_path):
+    write_wav(tmp_path / "c.wav", np.array([2.0, -2.0, 0.5], np.float32))
+    y = read_wav(tmp_path / "c.wav", expected_rate=22050)
+    np.testing.assert_array_equal(y * 32768, [32767, -32767, round(0.5 * 32767)])
+    with pytest.raises(ValueError, match="NaN"):
+        write_wav(tmp_path / "n.wav", np.array([0.0, np.nan], np.float32))
+
+
+@pytest.mark.parametrize(
+    ("tag", "bits", "encode"),
+    [
+        (1, 8, lambda v: (np.round(v * 128) + 128).astype(np.uint8).tobytes()),
+        (
+            1,
+            24,
+            lambda v: b"".join(round(s * 2**23).to_bytes(3, "little", signed=True) for s in v),
+        ),
+        (1, 32, lambda v: np.round(v * 2**31).astype("<i4").tobytes()),
+        (3, 32, lambda v: v.astype("<f4").tobytes()),
+        (3, 64, lambda v: v.astype("<f8").tobytes()),
+    ],
+)
+def test_read_wav_formats(tmp_path, tag, bits, encode):
+    v = np.array([0.0, 0.5, -0.5, 0.25, -0.75], np.float64)
+    (tmp_path / "f.wav").write_bytes(_riff(tag, 1, 16000, bits, encode(v)))
+    np.testing.assert_allclose(read_wav(tmp_path / "f.wav"), v, atol=1e-6)
+
+
+def test_read_wav_extensible_float(tmp_path):
+    v = np.array([0.1, -0.2, 0.3], np.float32)
+    guid_tail = b"\x00\x00\x00\x00\x10\x00\x80\x00\x00\xaa\x00\x38\x9b\x71"
+    ext = struct.pack("<HHIIHH", 0xFFFE, 1, 16000, 64000, 4, 32)
+    ext += struct.pack("<HHI", 22, 32, 4) + struct.pack("<H", 3) + guid_tail
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(ext)) + ext
+    body += b"data" + struct.pack("<I", 12) + v.tobytes()
+    (tmp_path / "x.wav").write_bytes(b"RIFF" + struct.pack("<I", len(body)) + body)
+    np.testing.assert_array_equal(read_wav(tmp_path / "x.wav"), v)
+
+
+def _pcm16(n: int = 640) -> bytes:
+    return (np.arange(n, dtype=np.int16) % 200 - 100).astype("<i2").tobytes()
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "pattern"),
+    [
+        ("rate.wav", _riff(1, 1, 44100, 16, _pcm16()), r"44100 Hz; expected 16000 Hz"),
+        ("stereo.wav", _riff(1, 2, 16000, 16, _pcm16()), r"2 channels; expected mono"),
+        ("both.wav", _riff(1, 2, 8000, 16, _pcm16()), r"2 channels.*8000 Hz; expected 16000"),
+        (
+            "nan.wav",
+            _riff(3, 1, 16000, 32, np.array([0.0, np.nan, 0.1, np.inf], "<f4").tobytes()),
+            r"2 NaN/Inf sample\(s\), the first at index 1",
+        ),
+        (
+            "clip.wav",
+            _riff(3, 1, 16000, 32, np.array([0.0, 1.5, -0.2], "<f4").tobytes()),
+            r"outside \[-1, 1\] \(clipped\), the first at index 1",
+        ),
+        ("empty.wav", b"", r"empty file"),
+        ("nodata.wav", _riff(1, 1, 16000, 16, b""), r"no audio samples"),
+        ("trunc.wav", _riff(1, 1, 16000, 16, _pcm16())[:-100], r"truncated: data chunk declares"),
+        (
+            "half.wav",
+            _riff(1, 1, 16000, 16, _pcm16() + b"\x01"),
+            r"truncated: data ends mid-sample",
+        ),
+        ("header.wav", _riff(1, 1, 16000, 16, _pcm16())[:30], r"truncated"),
+        ("text.wav", b"hello, this is not audio at all", r"not a RIFF/WAVE file"),
+        ("alaw.wav", _riff(6, 1, 16000, 8, b"\x00" * 10), r"unsupported sample format"),
+    ],
+)
+def test_read_wav_errors(tmp_path, name, content, pattern):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(AudioInputError, match=pattern) as info:
+        read_wav(path)
+    assert info.value.source == str(path)
+    assert str(path) in str(info.value)
+
+
+def test_read_wav_missing_file(tmp_path):
+    with pytest.raises(AudioInputError, match="cannot read"):
+        read_wav(tmp_path / "absent.wav")
+
+
+def test_validate_frame():
+    ok = np.full(FRAME_LEN, 0.25, np.float32)
+    assert validate_frame(ok, FRAME_LEN) is ok
+    as_int = validate_frame(np.full(FRAME_LEN, -16384, np.int16), FRAME_LEN)
+    assert as_int.dtype == np.float32
+    assert np.all(as_int == -0.5)
+    bad = [
+        (np.zeros(FRAME_LEN - 1, np.float32), "1279 samples; expected one frame of 1280"),
+        (np.zeros(FRAME_LEN, np.float64), "dtype float64"),
+        (np.zeros((2, FRAME_LEN // 2), np.float32), r"shape \(2, 640\)"),
+        ([0.0] * FRAME_LEN, "expected a NumPy array"),
+        (np.where(np.arange(FRAME_LEN) == 7, np.nan, 0).astype(np.float32), "first at index 7"),
+        (np.full(FRAME_LEN, 1.01, np.float32), "clipped"),
+    ]
+    for samples, pattern in bad:
+        with pytest.raises(AudioInputError, match=pattern):
+            validate_frame(samples, FRAME_LEN, source="client 9")
+
+
+def test_decode_pcm16_and_frames():
+    np.testing.assert_array_equal(decode_pcm16(b"\x00\x40\x00\xc0"), [0.5, -0.5])
+    with pytest.raises(AudioInputError, match="odd length 3"):
+        decode_pcm16(b"\x00\x40\x00")
+    x = np.arange(1, 6, dtype=np.float32)
+    f = frames(x, 2)
+    np.testing.assert_array_equal(f, [[1, 2], [3, 4], [5, 0]])
+    assert frames(np.zeros(0, np.float32), 4).shape == (0, 4)
+    assert frames(np.ones(8, np.float32), 4).shape == (2, 4)
+
+
+def test_default_speech_asset():
+    x = read_wav(ASSETS / "speech_16k.wav")
+    assert 3.0 <= x.shape[0] / 16000 <= 5.0
+    assert (ASSETS / "speech_16k.wav").stat().st_size < 200_000
+    assert 0.1 < np.abs(x).max() <= 1.0  # speech, not silence
+
+
+# ---------------------------------------------------------------------------------------------
+# Slots
+
+
+def test_capacity_error_on_n_plus_one():
+    table = SlotTable(3)
+    assert [table.admit(s, tick=0) for s in "abc"] == [0, 1, 2]
+    with pytest.raises(CapacityError) as info:
+        table.admit("d", tick=4)
+    assert str(info.value) == "server full: 3 of 3 slots in use; session d refused"
+    assert (table.admitted, table.refused, len(table)) == (3, 1, 3)
+    events = table.drain_events()
+    assert [e["event"] for e in events] == ["admitted"] * 3 + ["refused"]
+    assert events[-1]["tick"] == 4
+    assert "server full" in events[-1]["message"]
+    assert table.drain_events() == []
+
+
+def test_release_frees_only_its_slot_and_slot_is_reused():
+    table = SlotTable(4)
+    for s in "abcd":
+        table.admit(s)
+    record = table.release("b", tick=9)
+    assert record.slot == 1
+    assert record.released_tick == 9
+    np.testing.assert_array_equal(table.active_mask(), [True, False, True, True])
+    assert table.slot_sessions() == ["a", None, "c", "d"]
+    assert table.admit("e", tick=10) == 1  # the lowest free slot
+    assert [table.slot_of(s) for s in "acde"] == [0, 2, 3, 1]
+    assert table.session("e").admitted_tick == 10
+    assert table.active_mask().all()
+    with pytest.raises(ValueError, match="already admitted"):
+        table.admit("a")
+    with pytest.raises(KeyError):
+        table.release("b")
+    assert (table.admitted, table.released) == (5, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input queues
+
+
+def _beat(value: float) -> np.ndarray:
+    return np.full(BEAT, value, np.float32)
+
+
+def _setup(ids: str = "ab", n_slots: int = 3, **kw) -> tuple[SlotTable, InputQueues]:
+    table = SlotTable(n_slots)
+    queues = InputQueues(n_slots, BEAT, **kw)
+    for s in ids:
+        table.admit(s)
+        queues.open(table.session(s))
+    return table, queues
+
+
+def test_late_audio_becomes_silence_plus_underrun():
+    table, queues = _setup()
+    queues.push("a", _beat(0.1))
+    audio, underrun = queues.take_beat(table.slot_sessions())
+    assert audio.shape == (3, BEAT)
+    assert audio.dtype == np.float32
+    np.testing.assert_array_equal(audio[0], _beat(0.1))
+    np.testing.assert_array_equal(audio[1:], 0.0)  # b's audio is late; slot 2 is free
+    np.testing.assert_array_equal(underrun, [False, True, False])
+    assert (table.session("a").underruns, table.session("b").underruns) == (0, 1)
+    queues.push("b", _beat(0.2))  # arrives after the tick: played next beat, not dropped
+    audio, underrun = queues.take_beat(table.slot_sessions())
+    np.testing.assert_array_equal(audio[1], _beat(0.2))
+    np.testing.assert_array_equal(underrun, [True, False, False])
+    assert queues.underruns == 2
+
+
+def test_partial_beat_is_used_zero_padded_and_counted():
+    table, queues = _setup("a")
+    queues.push("a", np.full(FRAME_LEN, 0.3, np.float32))  # one frame of a two-frame beat
+    audio, underrun = queues.take_beat(table.slot_sessions())
+    np.testing.assert_array_equal(audio[0, :FRAME_LEN], np.float32(0.3))
+    np.testing.assert_array_equal(audio[0, FRAME_LEN:], 0.0)
+    assert underrun[0]
+    assert table.session("a").underruns == 1
+    assert queues.backlog("a") == 0
+
+
+def test_no_catch_up_burst():
+    table, queues = _setup("a")
+    queues.push("a", np.concatenate([_beat(0.1), _beat(0.2)]))  # two beats at once
+    assert queues.backlog("a") == 2 * BEAT
+    first, u1 = queues.take_beat(table.slot_sessions())
+    second, u2 = queues.take_beat(table.slot_sessions())
+    third, u3 = queues.take_beat(table.slot_sessions())
+    np.testing.assert_array_equal(first[0], _beat(0.1))
+    np.testing.assert_array_equal(second[0], _beat(0.2))
+    np.testing.assert_array_equal(third[0], 0.0)
+    assert (u1[0], u2[0], u3[0]) == (False, False, True)
+
+
+def test_backlog_bound_drops_oldest():
+    table, queues = _setup("a", max_backlog_beats=2)
+    for v in range(5):
+        queues.push("a", _beat(v / 10))
+    assert queues.backlog("a") == 2 * BEAT
+    assert table.session("a").dropped_samples == 3 * BEAT == queues.dropped_samples
+    audio, _ = queues.take_beat(table.slot_sessions())
+    np.testing.assert_array_equal(audio[0], _beat(0.3))  # beats 0, 1, 2 went first
+    queues.push("a", _beat(0.5))
+    queues.discard_beats(1)  # the server skipped a tick: that beat of input goes too
+    audio, _ = queues.take_beat(table.slot_sessions())
+    np.testing.assert_array_equal(audio[0], _beat(0.5))
+    assert table.session("a").dropped_samples == 4 * BEAT
+
+
+def test_bad_input_fails_only_that_session():
+    table, queues = _setup("abc", n_slots=4)
+    for s, v in zip("abc", (0.1, 0.2, 0.3), strict=True):
+        queues.push(s, _beat(v))
+    with pytest.raises(AudioInputError, match="session b: 1 NaN/Inf"):
+        queues.push("b", np.where(np.arange(BEAT) == 3, np.nan, 0.0).astype(np.float32))
+    with pytest.raises(AudioInputError, match="failed earlier"):
+        queues.push("b", _beat(0.0))
+    assert "NaN" in table.session("b").failure
+    assert list(queues.failed()) == ["b"]
+    assert (queues.backlog("a"), queues.backlog("b"), queues.backlog("c")) == (BEAT, 0, BEAT)
+    audio, underrun = queues.take_beat(table.slot_sessions())
+    np.testing.assert_array_equal(audio[0], _beat(0.1))
+    np.testing.assert_array_equal(audio[1], 0.0)
+    np.testing.assert_array_equal(audio[2], _beat(0.3))
+    assert not underrun.any()  # a failed session is fed silence but not counted as underrun
+    assert table.session("a").failure is None
+    assert table.session("c").failure is None
+    # Wrong frame size and wrong dtype fail their sessions the same way.
+    with pytest.raises(AudioInputError, match="positive multiple"):
+        queues.push("a", np.zeros(1000, np.float32))
+    with pytest.raises(AudioInputError, match="dtype float64"):
+        queues.push("c", np.zeros(BEAT, np.float64))
+    assert set(queues.failed()) == {"a", "b", "c"}
+    # A vanished client is failed by the network layer; an unknown session is a KeyError.
+    table.admit("d")
+    queues.open(table.session("d"))
+    queues.fail("d", "client disconnected")
+    assert table.session("d").failure == "client disconnected"
+    with pytest.raises(KeyError):
+        queues.push("zz", _beat(0.0))
+
+
+def test_int16_input_and_buffer_ownership():
+    table, queues = _setup("a")
+    buf = np.full(BEAT, 8192, np.int16)
+    queues.push("a", buf)
+    buf[:] = 0  # the client reuses its buffer: what was queued must not change
+    audio, _ = queues.take_beat(table.slot_sessions())
+    np.testing.assert_array_equal(audio[0], 0.25)
+    f32 = _beat(0.4)
+    queues.push("a", f32)
+    f32[:] = 0
+    audio, _ = queues.take_beat(table.slot_sessions())
+    np.testing.assert_array_equal(audio[0], np.float32(0.4))
+
+
+def test_concurrent_pushes_from_threads():
+    ids = [f"s{i}" for i in range(6)]
+    table, queues = SlotTable(6), InputQueues(6, BEAT, max_backlog_beats=None)
+    for s in ids:
+        table.admit(s)
+        queues.open(table.session(s))
+
+    def client(sid: str, value: float) -> None:
+        for _ in range(50):
+            queues.push(sid, np.full(FRAME_LEN, value, np.float32))
+
+    threads = [threading.Thread(target=client, args=(s, i / 10)) for i, s in enumerate(ids)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [queues.backlog(s) for s in ids] == [50 * FRAME_LEN] * 6
+    audio, underrun = queues.take_beat(table.slot_sessions())
+    np.testing.assert_array_equal(
+        audio, np.repeat(np.arange(6)[:, None] / 10, BEAT, 1).astype(np.float32)
+    )
+    assert not underrun.any()
+
+
+def test_take_beat_checks_slot_count_and_session_output():
+    _, queues = _setup("a")
+    with pytest.raises(ValueError, match="expected 3 slot entries"):
+        queues.take_beat(["a"])
+    session = Session(id="x", slot=0, admitted_tick=0)
+    session.collect(2, wav=np.ones(3528), tokens=np.array([5, 6]), codes=np.zeros((2, 4), np.int32))
+    session.collect(2, wav=np.zeros(3528), tokens=np.array([7, 8]), codes=np.ones((2, 4), np.int32))
+    assert session.frames_out == 4
+    assert session.output.audio().shape == (7056,)
+    assert session.output.audio()[:3528].all()
+    np.testing.assert_array_equal(session.output.token_array(), [5, 6, 7, 8])
+    assert session.output.code_array().shape == (4, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def _synthetic_run(sink=None):
+    """3 warm-up ticks (compile: 2 s) then 400 steady ticks with random latency and sessions."""
+    rng = np.random.default_rng(1)
+    rec = MetricsRecorder(warmup_ticks=3, sink=sink)
+    rec.record_compile("tick", 41.5)
+    ids = [f"s{i}" for i in range(8)]
+    expected = {"lat": [], "missed_ticks": 0, "beats": 0, "missed_beats": 0, "underruns": 0}
+    per_missed = dict.fromkeys(ids, 0)
+    per_beats = dict.fromkeys(ids, 0)
+    t0 = 50.0
+    for k in range(403):
+        start = t0 + k * P
+        live = [s for s in ids if rng.random() < 0.7]
+        under = [s for s in live if rng.random() < 0.05]
+        if k < 3:
+            rec.record(k, start, start + 2.0, start + P, live, under)
+            continue
+        # Tick 100 is skipped: missed by everyone live, no latency.
+        readable = None if k == 100 else start + float(rng.uniform(0.05, 0.17))
+        rec.record(k, start, readable, start + P, live, under)
+        missed = readable is None or readable > start + P
+        if readable is not None:
+            expected["lat"].append(readable - start)
+        expected["missed_ticks"] += missed
+        expected["beats"] += len(live)
+        expected["missed_beats"] += len(live) * missed
+        expected["underruns"] += len(under)
+        for s in live:
+            per_beats[s] += 1
+            per_missed[s] += missed
+    rec.record_event("admitted", session="s0", slot=0, tick=0)
+    rec.record_event("refused", session="s9", tick=0, message="server full")
+    return rec, expected, per_beats, per_missed
+
+
+def test_summary_statistics_against_numpy():
+    rec, exp, per_beats, per_missed = _synthetic_run()
+    s = rec.summary()
+    lat_ms = np.array(exp["lat"]) * 1e3
+    assert s["ticks"] == 400
+    assert s["ticks_skipped"] == 1
+    for name, q in (("p50", 50), ("p99", 99), ("p99.9", 99.9)):
+        assert s["latency_ms"][name] == pytest.approx(np.percentile(lat_ms, q), rel=1e-12)
+    assert s["latency_ms"]["max"] == pytest.approx(lat_ms.max(), rel=1e-12)
+    assert s["latency_ms"]["mean"] == pytest.approx(lat_ms.mean(), rel=1e-12)
+    assert s["missed_ticks"] == exp["missed_ticks"] > 1
+    assert s["session_beats"] == exp["beats"]
+    assert s["missed_session_beats"] == exp["missed_beats"] > s["missed_ticks"]
+    assert s["underruns"] == exp["underruns"] > 0
+    assert s["miss_rate_ticks"] == pytest.approx(exp["missed_ticks"] / 400)
+    assert s["miss_rate_session_beats"] == pytest.approx(exp["missed_beats"] / exp["beats"])
+    assert s["miss_rate_bound_95"] is None  # misses seen: no rule-of-three bound
+    assert {k: v["beats"] for k, v in s["per_session"].items()} == per_beats
+    assert {k: v["missed"] for k, v in s["per_session"].items()} == per_missed
+    assert s["max_missed_per_session"] == max(per_missed.values())
+    assert s["events"] == {"admitted": 1, "refused": 1}
+    assert s["compile_s"] == {"tick": 41.5}
+
+
+def test_warmup_excluded_from_steady_state():
+    rec, *_ = _synthetic_run()
+    s = rec.summary()
+    assert s["latency_ms"]["max"] < 200.0  # the 2 s compile ticks are not in steady stats
+    assert s["warmup"]["ticks"] == 3
+    assert s["warmup"]["latency_ms"]["max"] == pytest.approx(2000.0)
+    assert s["warmup"]["missed_ticks"] == 3
+    assert s["warmup"]["missed_session_beats"] == sum(r.live_sessions for r in rec.ticks[:3])
+    assert all(r.phase == "warmup" for r in rec.ticks[:3])
+    assert all(r.phase == "steady" for r in rec.ticks[3:])
+
+
+def test_rule_of_three_bound_when_no_miss():
+    rec = MetricsRecorder(warmup_ticks=2)
+    for k in range(502):
+        rec.record(k, k * P, k * P + (1.0 if k < 2 else 0.1), (k + 1) * P, ["a", "b"])
+    s = rec.summary()
+    assert s["ticks"] == 500
+    assert s["missed_ticks"] == 0
+    assert s["warmup"]["missed_ticks"] == 2
+    assert s["miss_rate_bound_95"] == pytest.approx(3 / 500)
+    assert s["session_beats"] == 1000
+    assert "0.600 % of ticks" in format_table(s)
+
+
+def test_tick_record_late_tick_misses_every_live_session():
+    rec = MetricsRecorder(warmup_ticks=0)
+    on_time = rec.record(0, 0.0, 0.15, 0.16, ["a", "b", "c"], ["b"])
+    late = rec.record(1, 0.16, 0.33, 0.32, ["a", "b", "c"])
+    assert not on_time.missed
+    assert late.missed
+    assert late.latency == pytest.approx(0.17)
+    s = rec.summary()
+    assert (s["missed_ticks"], s["missed_session_beats"], s["underruns"]) == (1, 3, 1)
+    assert s["per_session"]["b"] == {"beats": 2, "missed": 1, "underruns": 1}
+
+
+def test_jsonl_table_and_prometheus():
+    sink = io.StringIO()
+    rec, exp, *_ = _synthetic_run(sink)
+    summary = rec.close()
+    lines = [json.loads(line) for line in sink.getvalue().splitlines()]
+    types = [line["type"] for line in lines]
+    assert types.count("tick") == 403
+    assert types.count("event") == 2
+    assert types[0] == "compile"
+    assert types[-1] == "summary"
+    ticks = [line for line in lines if line["type"] == "tick"]
+    assert [t["tick"] for t in ticks] == list(range(403))
+    assert ticks[100]["skipped"] is True
+    assert ticks[100]["latency"] is None
+    assert lines[-1]["missed_session_beats"] == exp["missed_beats"]
+
+    table = format_table(summary)
+    assert f"{summary['missed_session_beats']} (" in table
+    assert "compile tick s" in table
+
+    text = prometheus_text(summary)
+    sample = re.compile(r'^voicechat_[a-z_]+(\{[a-z]+="[^"]*"\})? -?[0-9.e+-]+$')
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"^# (HELP|TYPE) voicechat_[a-z_]+ ", line)
+            continue
+        assert sample.match(line), line
+        name, value = line.rsplit(" ", 1)
+        values[name] = float(value)
+    assert values["voicechat_missed_session_beats_total"] == exp["missed_beats"]
+    assert values["voicechat_beat_latency_seconds_count"] == 399
+    assert values['voicechat_beat_latency_seconds{quantile="0.99"}'] == pytest.approx(
+        summary["latency_ms"]["p99"] / 1e3, rel=1e-8
+    )
+    assert values['voicechat_session_events_total{event="refused"}'] == 1
+    assert math.isclose(values["voicechat_beat_latency_seconds_sum"], sum(exp["lat"]), rel_tol=1e-8)

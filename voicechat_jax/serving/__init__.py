@@ -1,0 +1,63 @@
+"""The host side of the serving engine: the beat clock, audio I/O, sessions and admission, metrics.
+
+Pure Python and NumPy, independent of the model: the device side (``SessionState``, the jitted
+``tick``, the on-device loop) reaches the host only through these objects, and the host callback
+of the loop returns NumPy only.
+"""
+
+from voicechat_jax.serving.audio import (
+    FRAME_LEN,
+    INPUT_RATE,
+    OUTPUT_RATE,
+    AudioInputError,
+    decode_pcm16,
+    frames,
+    read_wav,
+    validate_frame,
+    validate_samples,
+    write_wav,
+)
+from voicechat_jax.serving.clock import OFFLINE, REALTIME, BeatClock, TickTiming
+from voicechat_jax.serving.metrics import (
+    STEADY,
+    WARMUP,
+    MetricsRecorder,
+    TickRecord,
+    format_table,
+    prometheus_text,
+)
+from voicechat_jax.serving.sessions import (
+    CapacityError,
+    InputQueues,
+    Session,
+    SessionOutput,
+    SlotTable,
+)
+
+__all__ = [
+    "FRAME_LEN",
+    "INPUT_RATE",
+    "OFFLINE",
+    "OUTPUT_RATE",
+    "REALTIME",
+    "STEADY",
+    "WARMUP",
+    "AudioInputError",
+    "BeatClock",
+    "CapacityError",
+    "InputQueues",
+    "MetricsRecorder",
+    "Session",
+    "SessionOutput",
+    "SlotTable",
+    "TickRecord",
+    "TickTiming",
+    "decode_pcm16",
+    "format_table",
+    "frames",
+    "prometheus_text",
+    "read_wav",
+    "validate_frame",
+    "validate_samples",
+    "write_wav",
+]
