@@ -1,0 +1,409 @@
+"""The serving run: an ``Engine`` (device side) driven on the beat clock by a ``Server`` (host side).
+
+``Engine`` holds the parameters, the fresh-session template, the slot state and the compiled tick.
+``Server`` owns the clock, the slot table, the per-session input queues, the metrics and each
+session's collected output, and drives the engine in one of two loops with identical outputs:
+
+- ``resident``: one jitted ``lax.while_loop`` for the whole run (``step.resident_loop``); the
+  device calls back to the host for each beat's input and hands each beat's output back.
+- ``dispatch``: one donated jitted call per beat; a reader thread waits for beat k's output (and
+  timestamps it) while the main thread sleeps to beat k+1 and dispatches it.
+
+Sessions come from ``SessionPlan``s (a file's audio, when to join and leave, which beats arrive
+late) or from any other source that pushes into ``Server.queues``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Hashable, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+
+from voicechat_jax import state as state_lib
+from voicechat_jax import step as step_lib
+from voicechat_jax.config import ModelConfig, ServeConfig
+from voicechat_jax.model import voicechat
+from voicechat_jax.precision import Precision
+from voicechat_jax.serving import audio as audio_lib
+from voicechat_jax.serving.clock import BeatClock
+from voicechat_jax.serving.metrics import MetricsRecorder
+from voicechat_jax.serving.sessions import CapacityError, InputQueues, SlotTable
+
+LOOPS = ("resident", "dispatch")
+
+
+@dataclasses.dataclass
+class SessionPlan:
+    """A scripted client: its audio, and when it joins and leaves (tick indices)."""
+
+    id: Hashable
+    audio: np.ndarray  # [n] float32 at 16 kHz; silence is sent after it ends
+    join: int = 0
+    leave: int | None = None  # released before this tick; None: stays to the end of the run
+    late: frozenset[int] = frozenset()  # beats whose audio arrives one tick late
+    source: str = ""
+
+
+@dataclasses.dataclass
+class FrameLog:
+    """One session's per-frame outputs (host side)."""
+
+    text: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks [T]
+    function: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks [T]
+    codes: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks [T, Q]
+    transcript: list[list[int]] = dataclasses.field(default_factory=list)  # per frame
+    wav: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks [T * 1764]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        cat = lambda xs, shape: np.concatenate(xs) if xs else np.zeros(shape)  # noqa: E731
+        return {
+            "text": cat(self.text, (0,)).astype(np.int32),
+            "function": cat(self.function, (0,)).astype(np.int32),
+            "codes": cat(self.codes, (0, 0)).astype(np.int32),
+            "wav": cat(self.wav, (0,)).astype(np.float32),
+        }
+
+
+class Engine:
+    """The device side: params, template, slot state and the compiled tick."""
+
+    def __init__(self, params, cfg: ModelConfig, serve: ServeConfig, precision: Precision):
+        self.params = params
+        self.cfg = cfg
+        self.serve = serve
+        self.precision = precision
+        t = time.perf_counter()
+        self.template = voicechat.initial_state(
+            params,
+            cfg=cfg,
+            precision=precision,
+            max_len=serve.context_frames,
+            system_prompt=serve.system_prompt,
+        )
+        jax.block_until_ready(self.template)
+        self.template_s = time.perf_counter() - t
+        self.state = state_lib.from_template(self.template, serve.slots)
+        self.samples_per_beat = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
+        self._tick = None
+        self.compile_s: float | None = None
+
+    def empty_beat(self) -> state_lib.BeatInput:
+        return state_lib.empty_beat(self.serve.slots, self.samples_per_beat)
+
+    def compile_tick(self):
+        """Compiles the dispatch tick once; returns the executable."""
+        if self._tick is None:
+            t = time.perf_counter()
+            jitted = step_lib.make_tick(self.cfg, self.serve, self.precision)
+            self._tick = jitted.lower(
+                self.params, self.state, self.template, self.empty_beat()
+            ).compile()
+            self.compile_s = time.perf_counter() - t
+        return self._tick
+
+    def tick(self, beat: state_lib.BeatInput) -> state_lib.BeatOutput:
+        """Dispatches one beat (asynchronously); the state is donated and replaced."""
+        self.state, out = self.compile_tick()(self.params, self.state, self.template, beat)
+        return out
+
+    def run_resident(self, first_beat, next_beat, deliver) -> None:
+        """Runs the whole serving run as one on-device loop (compiled here, timed apart)."""
+        t = time.perf_counter()
+        fn = step_lib.make_resident(self.cfg, self.serve, self.precision, next_beat, deliver)
+        compiled = fn.lower(self.params, self.state, self.template, first_beat).compile()
+        self.compile_s = time.perf_counter() - t
+        self.state = compiled(self.params, self.state, self.template, first_beat)
+        jax.block_until_ready(self.state)
+
+
+def session_key(seed: int, serial: int) -> np.ndarray:
+    """A session's raw sampling key ([2] uint32) from the run seed and its admission serial."""
+    return np.random.SeedSequence([seed, serial]).generate_state(2, np.uint32)
+
+
+class Server:
+    """The host side of a serving run; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        clock: str = "realtime",
+        loop: str = "dispatch",
+        seed: int = 0,
+        warmup_ticks: int = 2,
+        metrics_sink=None,
+        max_backlog_beats: int | None = 4,
+    ):
+        if loop not in LOOPS:
+            raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+        serve = engine.serve
+        self.engine = engine
+        self.loop = loop
+        self.seed = seed
+        period = serve.beat_ms / 1000.0
+        deadline = None if serve.deadline_ms is None else serve.deadline_ms / 1000.0
+        self.clock = BeatClock(period, clock, deadline_s=deadline)
+        self.slots = SlotTable(serve.slots)
+        self.queues = InputQueues(
+            serve.slots, engine.samples_per_beat, max_backlog_beats=max_backlog_beats
+        )
+        self.metrics = MetricsRecorder(warmup_ticks, sink=metrics_sink)
+        self.logs: dict[Hashable, FrameLog] = {}
+        self.failures: dict[Hashable, str] = {}
+        self.ended: dict[Hashable, str] = {}  # session -> why it ended (left, failed, context cap)
+        self._serial = 0
+        self._pending_release: dict[int, Hashable] = {}
+        self._snapshots: dict[int, tuple[list, list, float]] = {}
+        self._plans: list[SessionPlan] = []
+        self._late_buffer: dict[Hashable, list[np.ndarray]] = {}
+
+    # ---- host beat preparation -------------------------------------------------------------
+
+    def _beat_audio(self, plan: SessionPlan, beat: int, joined: int) -> np.ndarray:
+        n = self.engine.samples_per_beat
+        i = (beat - joined) * n
+        chunk = plan.audio[i : i + n]
+        if chunk.size < n:
+            chunk = np.pad(chunk, (0, n - chunk.size))
+        return chunk.astype(np.float32)
+
+    def prepare(self, k: int) -> state_lib.BeatInput:
+        """The host's work before tick k: membership changes, client input, the beat's arrays."""
+        B = self.engine.serve.slots
+        admit = np.zeros((B,), np.bool_)
+        release = np.zeros((B,), np.bool_)
+        keys = np.zeros((B, 2), np.uint32)
+        # Sessions leaving: scripted leaves, failed input, context cap reached.
+        leaving = {p.id: "left" for p in self._plans if p.leave == k and p.id in self.logs}
+        for sid, reason in self.queues.failed().items():
+            leaving[sid] = f"failed: {reason}"
+            self.failures[sid] = reason
+        for slot, sid in list(self._pending_release.items()):
+            leaving.setdefault(sid, "context cap")
+            del self._pending_release[slot]
+        for sid, reason in leaving.items():
+            try:
+                session = self.slots.release(sid, tick=k)
+            except KeyError:
+                continue
+            self.queues.close(sid)
+            release[session.slot] = True
+            self.ended[sid] = reason
+        # Sessions joining.
+        for plan in self._plans:
+            if plan.join != k:
+                continue
+            try:
+                slot = self.slots.admit(plan.id, tick=k, source=plan.source)
+            except CapacityError as e:
+                self.failures[plan.id] = str(e)
+                continue
+            self.queues.open(self.slots.session(plan.id))
+            admit[slot] = True
+            release[slot] = False
+            keys[slot] = session_key(self.seed, self._serial)
+            self._serial += 1
+            self.logs[plan.id] = FrameLog()
+        for event in self.slots.drain_events():
+            self.metrics.record_event(**event)
+        # Scripted clients push this beat's audio (late beats arrive with the next one).
+        for plan in self._plans:
+            if plan.id not in self.logs or self.ended.get(plan.id):
+                continue
+            try:
+                joined = self.slots.session(plan.id).admitted_tick
+            except KeyError:
+                continue
+            chunk = self._beat_audio(plan, k, joined)
+            held = self._late_buffer.setdefault(plan.id, [])
+            try:
+                if (k - joined) in plan.late:
+                    held.append(chunk)
+                else:
+                    for c in [*held, chunk]:
+                        self.queues.push(plan.id, c)
+                    held.clear()
+            except audio_lib.AudioInputError as e:
+                logging.warning("session %s failed: %s", plan.id, e)
+        audio, underrun = self.queues.take_beat(self.slots.slot_sessions())
+        live = self.slots.slot_sessions()
+        self._snapshots[k] = (live, [live[b] for b in range(B) if underrun[b]], 0.0)
+        return state_lib.BeatInput(audio=audio, admit=admit, release=release, key=keys)
+
+    # ---- host output collection ------------------------------------------------------------
+
+    def collect(self, k: int, out, start: float, deadline: float) -> None:
+        """Takes beat k's outputs (NumPy leaves) into each session's log and the metrics."""
+        readable = time.monotonic()
+        live, underruns, _ = self._snapshots.pop(k)
+        frames = out.frames
+        for b, sid in enumerate(live):
+            if sid is None or not out.ran[b]:
+                if sid is not None and out.at_cap[b] and self.engine.serve.at_cap == "end":
+                    self._pending_release[b] = sid
+                continue
+            log = self.logs[sid]
+            log.text.append(np.asarray(frames.text[b]))
+            log.function.append(np.asarray(frames.function[b]))
+            log.codes.append(np.asarray(frames.codes[b]))
+            log.wav.append(np.asarray(frames.wav[b]))
+            for t in range(frames.text.shape[1]):
+                n = int(frames.n_transcript[b, t])
+                log.transcript.append([int(x) for x in frames.transcript[b, t, :n]])
+        self.metrics.record(
+            k,
+            start,
+            readable,
+            deadline,
+            sessions=[s for s in live if s is not None],
+            underrun_sessions=underruns,
+        )
+
+    # ---- the two loops ---------------------------------------------------------------------
+
+    def run(self, plans: Sequence[SessionPlan], n_ticks: int) -> dict:
+        """Serves ``plans`` for ``n_ticks`` beats; returns the metrics summary."""
+        self._plans = list(plans)
+        if self.loop == "dispatch":
+            self.engine.compile_tick()
+            self.metrics.record_compile("tick", self.engine.compile_s)
+            self._run_dispatch(n_ticks)
+        else:
+            self._run_resident(n_ticks)
+        return self.metrics.summary()
+
+    def _run_dispatch(self, n_ticks: int) -> None:
+        pending: queue.Queue = queue.Queue()
+
+        def reader():
+            while (item := pending.get()) is not None:
+                k, out, start, deadline = item
+                self.collect(k, jax.device_get(out), start, deadline)
+
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        self.clock.begin()
+        last = None
+        try:
+            for _ in range(n_ticks):
+                k = self.clock.next_tick(last)
+                if k >= n_ticks:
+                    break
+                timing = self.clock.wait_for_tick(k)
+                self._record_skipped(last, k)
+                last = k
+                beat = self.prepare(k)
+                out = self.engine.tick(beat)
+                pending.put((k, out, timing.start, timing.deadline))
+                if self.clock.mode == "offline":
+                    # Offline ticks run back to back: the next starts when this one is read.
+                    jax.block_until_ready(out)
+        finally:
+            pending.put(None)
+            thread.join()
+
+    def _record_skipped(self, last: int | None, k: int) -> None:
+        skipped = 0 if last is None else k - last - 1
+        for j in range(last + 1 if last is not None else k, k):
+            live = [s for s in self.slots.slot_sessions() if s is not None]
+            self.metrics.record(j, self.clock.tick_start(j), None, self.clock.deadline(j), live)
+        if skipped:
+            self.queues.discard_beats(skipped)
+
+    def _run_resident(self, n_ticks: int) -> None:
+        timings: dict[int, tuple[float, float]] = {}
+        ticks: list[int] = []  # device iteration -> wall tick
+
+        def next_beat(i: int):
+            nk = self.clock.next_tick(ticks[-1])
+            stop = nk >= n_ticks
+            if stop:
+                beat = jax.tree_util.tree_map(np.asarray, self.engine.empty_beat())
+            else:
+                timing = self.clock.wait_for_tick(nk)
+                self._record_skipped(ticks[-1], nk)
+                timings[nk] = (timing.start, timing.deadline)
+                ticks.append(nk)
+                beat = self.prepare(nk)
+            return (
+                np.asarray(beat.audio, np.float32),
+                np.asarray(beat.admit, np.bool_),
+                np.asarray(beat.release, np.bool_),
+                np.asarray(beat.key, np.uint32),
+                np.asarray(stop, np.bool_),
+            )
+
+        def deliver(i: int, *leaves):
+            out = jax.tree_util.tree_unflatten(out_tree, leaves)
+            k = ticks[i]
+            self.collect(k, out, *timings.pop(k))
+
+        first_struct = self.engine.empty_beat()
+        out_tree = jax.tree_util.tree_structure(
+            jax.eval_shape(
+                lambda s, b: step_lib.tick(
+                    self.engine.params,
+                    s,
+                    self.engine.template,
+                    b,
+                    cfg=self.engine.cfg,
+                    serve=self.engine.serve,
+                    precision=self.engine.precision,
+                )[1],
+                self.engine.state,
+                first_struct,
+            )
+        )
+        # Compile before the clock starts, so that compile time is not a late first beat.
+        fn = step_lib.make_resident(
+            self.engine.cfg, self.engine.serve, self.engine.precision, next_beat, deliver
+        )
+        t = time.perf_counter()
+        compiled = fn.lower(
+            self.engine.params, self.engine.state, self.engine.template, first_struct
+        ).compile()
+        self.metrics.record_compile("resident_loop", time.perf_counter() - t)
+        self.clock.begin()
+        timing = self.clock.wait_for_tick(0)
+        timings[0] = (timing.start, timing.deadline)
+        ticks.append(0)
+        first = self.prepare(0)
+        self.engine.state = compiled(
+            self.engine.params, self.engine.state, self.engine.template, first
+        )
+        jax.block_until_ready(self.engine.state)
+
+
+def write_session_outputs(
+    out_dir: str, sid: Hashable, log: FrameLog, *, sample_rate: int, tokenizer=None
+) -> dict[str, str]:
+    """Writes ``output.wav``, ``frames.jsonl`` and (with a tokenizer) ``transcript.txt``."""
+    d = os.path.join(out_dir, str(sid))
+    os.makedirs(d, exist_ok=True)
+    arrays = log.arrays()
+    paths = {"wav": os.path.join(d, "output.wav"), "frames": os.path.join(d, "frames.jsonl")}
+    audio_lib.write_wav(paths["wav"], arrays["wav"], rate=sample_rate)
+    with open(paths["frames"], "w") as f:
+        for t in range(arrays["text"].shape[0]):
+            row = {
+                "frame": t,
+                "text": int(arrays["text"][t]),
+                "function": int(arrays["function"][t]),
+                "codes": [int(c) for c in arrays["codes"][t]],
+                "transcript": log.transcript[t] if t < len(log.transcript) else [],
+            }
+            f.write(json.dumps(row) + "\n")
+    if tokenizer is not None:
+        paths["transcript"] = os.path.join(d, "transcript.txt")
+        with open(paths["transcript"], "w") as f:
+            f.write(tokenizer(arrays["text"]) + "\n")
+    return paths

@@ -1,0 +1,71 @@
+"""SessionState: every array a live call keeps between beats, in fixed slots (slot axis ``B`` first).
+
+The model's per-frame state (``voicechat.FrameState``: encoder caches, Mamba SSM and conv states,
+both KV caches, previous tokens and codes, codec tails, positions) is held for ``B`` slots at once,
+sized once for the context cap. On top of it the engine keeps, per slot, whether it is live and the
+session's sampling key. Admission copies a fresh-session *template* (speaker-prompt and system-prompt
+prefill done once at start-up) into a slot; release only clears ``active``.
+
+The beat's inputs and outputs (``BeatInput``, ``BeatOutput``) are the only arrays that cross between
+host and device per beat.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from voicechat_jax.model import voicechat
+
+
+@struct.dataclass
+class SessionState:
+    """All slots' state. Arrays only; slot axis first."""
+
+    model: voicechat.FrameState  # the network's carried state, [B, ...] leaves
+    active: jax.Array  # [B] bool: the slot holds a live session
+    key: jax.Array  # [B, 2] uint32: the session's sampling key (raw key data)
+
+
+@struct.dataclass
+class BeatInput:
+    """What the host drops in for one beat."""
+
+    audio: jax.Array  # [B, frames_per_tick * 1280] float32, 16 kHz; silence where nothing arrived
+    admit: jax.Array  # [B] bool: copy the fresh-session template into these slots first
+    release: jax.Array  # [B] bool: these slots end before the beat
+    key: jax.Array  # [B, 2] uint32: sampling key of the sessions admitted this beat
+
+
+@struct.dataclass
+class BeatOutput:
+    """What the host picks up after one beat."""
+
+    frames: voicechat.FrameOutputs  # text, function, codes, wav, transcript of the beat's frames
+    ran: jax.Array  # [B] bool: the slot advanced this beat (its frames are valid)
+    active: jax.Array  # [B] bool: live after the beat
+    at_cap: jax.Array  # [B] bool: the session reached the context cap this beat
+    frame: jax.Array  # [B] int32: frames the session has done after the beat
+
+
+def empty_beat(slots: int, samples: int) -> BeatInput:
+    """A beat with no audio, no admission and no release (NumPy-friendly shapes)."""
+    return BeatInput(
+        audio=jnp.zeros((slots, samples), jnp.float32),
+        admit=jnp.zeros((slots,), bool),
+        release=jnp.zeros((slots,), bool),
+        key=jnp.zeros((slots, 2), jnp.uint32),
+    )
+
+
+def from_template(template: voicechat.FrameState, slots: int) -> SessionState:
+    """All ``slots`` slots holding the fresh-session template, none active."""
+    model = jax.tree_util.tree_map(
+        lambda x: jnp.broadcast_to(x, (slots, *x.shape[1:])).copy(), template
+    )
+    return SessionState(
+        model=model,
+        active=jnp.zeros((slots,), bool),
+        key=jnp.zeros((slots, 2), jnp.uint32),
+    )

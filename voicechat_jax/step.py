@@ -1,0 +1,201 @@
+"""The tick: one beat for every slot, pure and jitted once; and the two ways to drive it.
+
+``tick(params, state, template, beat)`` admits and releases sessions (masked copies of the
+fresh-session template, skipped with ``lax.cond`` on beats where nobody joins or leaves), advances
+every slot by ``frames_per_tick`` frames, and keeps inactive slots bit-identical. It donates the
+state. Both drivers call the same tick, so they produce the same outputs bit for bit:
+
+- ``resident_loop``: one jitted ``lax.while_loop`` for the whole serving run. Each iteration takes
+  the beat's input from the host and hands the beat's output back through ordered ``io_callback``s;
+  the host decides when to stop.
+- dispatch (``make_tick``): one donated jitted call per beat; the host reads beat k's output while
+  beat k+1 runs (``serving.server``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from voicechat_jax.config import ModelConfig, ServeConfig
+from voicechat_jax.model import voicechat
+from voicechat_jax.precision import Precision
+from voicechat_jax.state import BeatInput, BeatOutput, SessionState
+
+# Incremented each time the tick is traced: tests assert the server compiles it exactly once.
+TRACE_COUNT = {"tick": 0}
+
+
+def _where_slots(mask: jax.Array, new, old):
+    """Per-slot select over a pytree whose leaves all have the slot axis first."""
+
+    def sel(n, o):
+        m = mask.reshape(mask.shape + (1,) * (o.ndim - 1))
+        return jnp.where(m, n, o)
+
+    return jax.tree_util.tree_map(sel, new, old)
+
+
+def _admit(state: SessionState, template: voicechat.FrameState, admit, key) -> SessionState:
+    """Copy the template into the admitted slots and give them their sampling keys."""
+    fresh = jax.tree_util.tree_map(lambda t, x: jnp.broadcast_to(t, x.shape), template, state.model)
+    return SessionState(
+        model=_where_slots(admit, fresh, state.model),
+        active=state.active | admit,
+        key=jnp.where(admit[:, None], key, state.key),
+    )
+
+
+def tick(
+    params,
+    state: SessionState,
+    template: voicechat.FrameState,
+    beat: BeatInput,
+    *,
+    cfg: ModelConfig,
+    serve: ServeConfig,
+    precision: Precision,
+) -> tuple[SessionState, BeatOutput]:
+    """Advance every slot by one beat. Donates ``state`` when jitted through ``make_tick``.
+
+    Args:
+      params: ``voicechat.ModelParams``.
+      state: all slots, ``[B, ...]``.
+      template: the fresh-session state, ``[1, ...]`` leaves.
+      beat: the host's input for this beat.
+
+    Returns:
+      The new state and the beat's outputs. A slot that is inactive, or would pass the context
+      cap, does not advance and its state is returned bit-identical.
+    """
+    TRACE_COUNT["tick"] += 1
+    fpt = serve.frames_per_tick
+    changed = jnp.any(beat.admit) | jnp.any(beat.release)
+
+    def membership(s: SessionState) -> SessionState:
+        s = s.replace(active=s.active & ~beat.release)
+        return _admit(s, template, beat.admit, beat.key)
+
+    state = jax.lax.cond(changed, membership, lambda s: s, state)
+
+    room = state.model.frame + fpt <= serve.context_frames
+    ran = state.active & room
+    at_cap = state.active & ~room
+    new_model, frames = voicechat.advance(
+        params,
+        state.model,
+        beat.audio,
+        state.key,
+        cfg=cfg,
+        precision=precision,
+        deterministic=serve.deterministic,
+        attention=serve.attention,
+    )
+    model = _where_slots(ran, new_model, state.model)
+    active = state.active & ~at_cap
+    key = state.key
+    if serve.at_cap == "rollover":
+        # Re-seed a session at the cap from the template; it keeps its sampling key and goes on.
+        reseed = at_cap
+        model = jax.lax.cond(
+            jnp.any(reseed),
+            lambda m: _where_slots(
+                reseed,
+                jax.tree_util.tree_map(lambda t, x: jnp.broadcast_to(t, x.shape), template, m),
+                m,
+            ),
+            lambda m: m,
+            model,
+        )
+        active = state.active
+    new_state = SessionState(model=model, active=active, key=key)
+    out = BeatOutput(frames=frames, ran=ran, active=active, at_cap=at_cap, frame=model.frame)
+    return new_state, out
+
+
+def make_tick(cfg: ModelConfig, serve: ServeConfig, precision: Precision) -> Callable:
+    """The jitted tick for one server configuration; argument 1 (the state) is donated."""
+    fn = functools.partial(tick, cfg=cfg, serve=serve, precision=precision)
+    return jax.jit(fn, donate_argnums=(1,))
+
+
+def resident_loop(
+    params,
+    state: SessionState,
+    template: voicechat.FrameState,
+    first_beat: BeatInput,
+    *,
+    next_beat: Callable[[np.ndarray], tuple],
+    deliver: Callable[..., None],
+    cfg: ModelConfig,
+    serve: ServeConfig,
+    precision: Precision,
+) -> SessionState:
+    """Run ticks on the device until the host says stop; returns the final state.
+
+    ``next_beat(k) -> (audio, admit, release, key, stop)`` (NumPy) gives beat k+1's input;
+    ``deliver(k, out_leaves...)`` receives beat k's ``BeatOutput`` leaves as NumPy arrays. Both run
+    on the host through ordered ``io_callback``s: the device waits for them, and they never call
+    JAX.
+    """
+    out_struct = jax.eval_shape(
+        functools.partial(tick, cfg=cfg, serve=serve, precision=precision),
+        params,
+        state,
+        template,
+        first_beat,
+    )[1]
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_struct)
+    beat_struct = (
+        jax.ShapeDtypeStruct(first_beat.audio.shape, jnp.float32),
+        jax.ShapeDtypeStruct(first_beat.admit.shape, jnp.bool_),
+        jax.ShapeDtypeStruct(first_beat.release.shape, jnp.bool_),
+        jax.ShapeDtypeStruct(first_beat.key.shape, jnp.uint32),
+        jax.ShapeDtypeStruct((), jnp.bool_),
+    )
+    del out_leaves, out_tree
+
+    def deliver_host(k, *leaves):
+        deliver(int(k), *leaves)
+        return np.zeros((), np.int32)
+
+    def body(carry):
+        k, s, beat, _ = carry
+        s, out = tick(params, s, template, beat, cfg=cfg, serve=serve, precision=precision)
+        token = io_callback(
+            deliver_host,
+            jax.ShapeDtypeStruct((), jnp.int32),
+            k,
+            *jax.tree_util.tree_leaves(out),
+            ordered=True,
+        )
+        audio, admit, release, key, stop = io_callback(
+            lambda kk, _tok: next_beat(int(kk)), beat_struct, k, token, ordered=True
+        )
+        nb = BeatInput(audio=audio, admit=admit, release=release, key=key)
+        return k + 1, s, nb, stop
+
+    def cond(carry):
+        return ~carry[3]
+
+    carry = (jnp.zeros((), jnp.int32), state, first_beat, jnp.zeros((), jnp.bool_))
+    _, state, _, _ = jax.lax.while_loop(cond, body, carry)
+    return state
+
+
+def make_resident(cfg: ModelConfig, serve: ServeConfig, precision: Precision, next_beat, deliver):
+    """The jitted resident loop; the state (argument 1) is donated."""
+    fn = functools.partial(
+        resident_loop,
+        next_beat=next_beat,
+        deliver=deliver,
+        cfg=cfg,
+        serve=serve,
+        precision=precision,
+    )
+    return jax.jit(fn, donate_argnums=(1,))
