@@ -151,6 +151,8 @@ class RNNTConfig:
     joint_hidden: int = 640
     encoder_hidden: int = 1024
     max_symbols: int = 10  # per encoder frame
+    # _rnnt_merge_info.decoder_config.blank_as_pad: the prediction embedding has a zero blank row
+    blank_as_pad: bool = True
 
     @property
     def blank_id(self) -> int:
@@ -176,7 +178,13 @@ class SpeechDecoderConfig:
     # char-aware subword encoder
     char_vocab: int = 257  # 256 single-char tokens + padding
     cas_layers: int = 1
-    cas_softcap: float = 50.0
+    cas_softcap: float = 50.0  # attn_logit_softcapping of the release's T5Gemma encoder config
+    # NeMo 3.0 runs that encoder with HF's default 'sdpa' attention, which ignores the softcap:
+    # False mirrors NeMo; True applies it (HF 'eager', and ports such as mlx-vlm)
+    cas_apply_softcap: bool = False
+    cas_rope_base: float = 10000.0  # T5Gemma encoder's default rope_theta
+    # text token ids (Nemotron tokenizer): sizes the char encoder's flag buffers ([V + 1] / [V])
+    text_vocab: int = 131072
     # heads and codes
     latent_size: int = 512
     n_quantizers: int = 31
@@ -192,6 +200,11 @@ class SpeechDecoderConfig:
     top_p: float = 0.95
     noise_scale: float = 0.001
     prompt_frames: int = 37  # audio_prompt_latents length (3.0 s)
+    # GatedProjectedSumRMSNorm divides the audio side by its num_codebooks, which keeps its
+    # default 31 whatever n_quantizers is (RVQEARTTSModel passes n_quantizers into final_norm)
+    fusion_audio_divisor: int = 31
+    # model.inference_speaker_name: the baked voice, tts_model.audio_prompt_latents.<name>
+    speaker_name: str = "Aria"
 
     def __post_init__(self):
         _check(self.n_heads % self.n_kv_heads == 0, "speech decoder heads must divide by kv heads")
@@ -243,6 +256,7 @@ class ModelConfig:
         _check(self.encoder.output_dim == self.llm.d_model, "perception.proj must emit LLM width")
         _check(self.rnnt.encoder_hidden == self.encoder.d_model, "RNNT joint reads encoder width")
         _check(self.tts.latent_size == self.codec.latent_size, "speech decoder/codec latent")
+        _check(self.tts.text_vocab == self.llm.vocab_size, "speech decoder reads LLM text ids")
         _check(self.tts.n_quantizers == self.codec.n_quantizers, "speech decoder/codec Q")
         _check(self.tts.codebook_size == self.codec.codebook_size, "speech decoder/codec codebook")
         _check(
@@ -310,6 +324,7 @@ def tiny() -> ModelConfig:
             mog_components=8,
             mog_rank=4,
             mog_mlp_layers=2,
+            text_vocab=512,
         ),
         codec=CodecConfig(
             base_hidden=8,

@@ -30,6 +30,7 @@ class Layout(enum.Enum):
     CONV2D = "conv2d"  # [o, i/g, kh, kw] -> [kh, kw, i/g, o]
     SQUEEZE = "squeeze"  # drop all size-1 axes (e.g. mel filterbank [1, M, F] -> [M, F])
     TRANSPOSE = "transpose"  # reverse all axes (e.g. [M, F] -> [F, M])
+    DEPTHWISE_CONV1D = "depthwise_conv1d"  # [C, 1, k] -> [k, C] (e.g. the Mamba conv1d)
 
 
 def to_layout(x: np.ndarray, layout: Layout) -> np.ndarray:
@@ -49,6 +50,9 @@ def to_layout(x: np.ndarray, layout: Layout) -> np.ndarray:
         return np.squeeze(x)
     if layout is Layout.TRANSPOSE:
         return x.T
+    if layout is Layout.DEPTHWISE_CONV1D:
+        _expect_ndim(x, 3, layout)
+        return x[:, 0, :].T
     raise ValueError(f"unknown layout {layout}")
 
 
@@ -63,10 +67,13 @@ class KeyRule:
 
     ``reduce`` combines several release tensors into one slot (the LSTM's ``bias_ih + bias_hh``):
     rules sharing ``param``/``index`` with ``reduce="sum"`` are summed, each consumed once.
+    ``param=None`` drops a release tensor deliberately: ``fill`` requires it in the source and
+    consumes it without loading it (e.g. the codec's training-only ``prvq._variance_list``).
+    A path component that is a number indexes a tuple field (``codec.decoder.stages.0.up``).
     """
 
     release: str
-    param: str
+    param: str | None
     index: tuple[int, ...] = ()
     layout: Layout = Layout.IDENTITY
     reduce: str | None = None
@@ -76,19 +83,24 @@ class KeyTableError(ValueError):
     """A release state dict does not match the key table."""
 
 
+def _child(node, name: str):
+    return node[int(name)] if isinstance(node, tuple) else getattr(node, name)
+
+
 def _get_path(tree, path: str):
     node = tree
     for name in path.split("."):
-        node = getattr(node, name)
+        node = _child(node, name)
     return node
 
 
 def _set_path(tree, path: str, value):
-    names = path.split(".")
-    if len(names) == 1:
-        return tree.replace(**{names[0]: value})
-    child = getattr(tree, names[0])
-    return tree.replace(**{names[0]: _set_path(child, ".".join(names[1:]), value)})
+    name, _, rest = path.partition(".")
+    new = _set_path(_child(tree, name), rest, value) if rest else value
+    if isinstance(tree, tuple):
+        i = int(name)
+        return (*tree[:i], new, *tree[i + 1 :])
+    return tree.replace(**{name: new})
 
 
 def fill(
@@ -119,10 +131,13 @@ def fill(
     if param_prefix:
         # Fill one sub-tree (e.g. only ``llm``): rule paths are relative to the whole ModelParams.
         strip = param_prefix + "."
-        bad = [r.param for r in rules if not r.param.startswith(strip)]
+        bad = [r.param for r in rules if r.param is not None and not r.param.startswith(strip)]
         if bad:
             raise KeyTableError(f"rules outside {param_prefix!r}: {bad[:5]}")
-        rules = [dataclasses.replace(r, param=r.param[len(strip) :]) for r in rules]
+        rules = [
+            r if r.param is None else dataclasses.replace(r, param=r.param[len(strip) :])
+            for r in rules
+        ]
     load = tensors.__getitem__ if isinstance(tensors, Mapping) else tensors
     source_keys = set(keys if keys is not None else tensors.keys())
     by_key: dict[str, KeyRule] = {}
@@ -147,6 +162,8 @@ def fill(
     filled: dict[str, np.ndarray] = {}  # per param path, a bool mask over its leading slots
     problems = []
     for rule in rules:
+        if rule.param is None:  # a deliberately dropped tensor: consumed, never loaded
+            continue
         target = _get_path(abstract_params, rule.param)
         if rule.param not in leaves_by_path:
             leaves_by_path[rule.param] = np.zeros(target.shape, target.dtype)
@@ -194,8 +211,13 @@ def fill(
     return out
 
 
+def _key_name(k) -> str:
+    """One path component: a field name, a dict key or a tuple index."""
+    return str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+
+
 def _leaf_paths(tree) -> list[str]:
     paths = []
     for keypath, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        paths.append(".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in keypath))
+        paths.append(".".join(_key_name(k) for k in keypath))
     return paths
