@@ -1,4 +1,4 @@
-"""The release key table: every tensor of ``model.safetensors`` -> one place in this project's params.
+"""The release key table: each tensor of ``model.safetensors`` -> one place in our params.
 
 The table is assembled from one module per sub-network (``keys.encoder``, ``keys.llm``, ...), each
 exporting ``rules(cfg) -> list[KeyRule]``. A rule names one release tensor, the dotted path of the
@@ -111,6 +111,7 @@ def fill(
     keys: Iterable[str] | None = None,
     on_tensor: Callable[[KeyRule, np.ndarray], np.ndarray] | None = None,
     param_prefix: str = "",
+    shapes_only: bool = False,
 ):
     """Build concrete params (NumPy leaves) from release tensors, strictly.
 
@@ -122,6 +123,8 @@ def fill(
       keys: every key present in the source; defaults to ``tensors.keys()``.
       on_tensor: an optional hook applied to each transformed tensor (the converter's checks).
       param_prefix: fill only this sub-tree of ModelParams (``abstract_params`` is that sub-tree).
+      shapes_only: ``tensors`` maps each key to its shape; every check runs, nothing is
+        allocated, and the abstract params come back (full-size checks of the table).
 
     Raises:
       KeyTableError: naming the keys that map nowhere, the rule keys that are missing, the slots
@@ -139,6 +142,9 @@ def fill(
             for r in rules
         ]
     load = tensors.__getitem__ if isinstance(tensors, Mapping) else tensors
+    if shapes_only:
+        shapes = load
+        load = lambda k: np.broadcast_to(np.zeros((), np.float32), tuple(shapes(k)))  # noqa: E731
     source_keys = set(keys if keys is not None else tensors.keys())
     by_key: dict[str, KeyRule] = {}
     dup_rules = []
@@ -166,7 +172,9 @@ def fill(
             continue
         target = _get_path(abstract_params, rule.param)
         if rule.param not in leaves_by_path:
-            leaves_by_path[rule.param] = np.zeros(target.shape, target.dtype)
+            leaves_by_path[rule.param] = (
+                target if shapes_only else np.zeros(target.shape, target.dtype)
+            )
             filled[rule.param] = np.zeros(target.shape[: len(rule.index)] or (1,), np.int32)
         buf = leaves_by_path[rule.param]
         x = to_layout(np.asarray(load(rule.release)), rule.layout)
@@ -184,7 +192,9 @@ def fill(
         if mark[pos] and rule.reduce != "sum":
             problems.append(f"{rule.release}: slot {rule.param}{list(rule.index)} filled twice")
             continue
-        if rule.index:
+        if shapes_only:
+            pass
+        elif rule.index:
             buf[rule.index] = (
                 buf[rule.index] + x.astype(buf.dtype) if mark[pos] else x.astype(buf.dtype)
             )
@@ -205,6 +215,8 @@ def fill(
     if problems:
         raise KeyTableError("; ".join(problems))
 
+    if shapes_only:
+        return abstract_params
     out = abstract_params
     for path, buf in leaves_by_path.items():
         out = _set_path(out, path, buf)
