@@ -1,10 +1,10 @@
-"""SessionState: every array a live call keeps between beats, in fixed slots (slot axis ``B`` first).
+"""SessionState: every array a live call keeps between beats, in fixed slots (slot axis first).
 
 The model's per-frame state (``voicechat.FrameState``: encoder caches, Mamba SSM and conv states,
 both KV caches, previous tokens and codes, codec tails, positions) is held for ``B`` slots at once,
 sized once for the context cap. On top of it the engine keeps, per slot, whether it is live and the
-session's sampling key. Admission copies a fresh-session *template* (speaker-prompt and system-prompt
-prefill done once at start-up) into a slot; release only clears ``active``.
+session's sampling key. Admission copies a fresh-session *template* (speaker-prompt and
+system-prompt prefill, done once at start-up) into a slot; release only clears ``active``.
 
 The beat's inputs and outputs (``BeatInput``, ``BeatOutput``) are the only arrays that cross between
 host and device per beat.

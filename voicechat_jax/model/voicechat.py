@@ -20,9 +20,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from voicechat_jax.config import ModelConfig
+from voicechat_jax.config import PAD_ID, ModelConfig
 from voicechat_jax.model import codec, conformer, ear_tts, nano, rnnt
 from voicechat_jax.precision import Precision
+
+# The speech decoder's steps over system-prompt positions are shared by every session (they are in
+# the template); in faithful mode they sample with this fixed key.
+TEMPLATE_KEY = 0
 
 
 @struct.dataclass
@@ -83,9 +87,7 @@ def listen_frame(params: ModelParams, llm_state, text_prev, func_prev, audio_pro
     """One LLM frame: input sum, Nano step, greedy heads (``DuplexSTTStreamingInference``)."""
     e = nano.input_embedding(params.llm, text_prev, func_prev, audio_proj, cfg=cfg.llm)
     llm_state, h = nano.step(params.llm, llm_state, e, cfg=cfg.llm)
-    text_logits, func_logits = nano.heads(params.llm, h, cfg=cfg.llm)
-    text = jnp.argmax(text_logits, axis=-1).astype(jnp.int32)
-    func = jnp.argmax(func_logits, axis=-1).astype(jnp.int32)
+    text, func = nano.greedy(params.llm, h)
     return llm_state, text, func, h
 
 
@@ -108,7 +110,6 @@ def advance(
         ``fold_in(key, n)``, so a session's output never depends on its neighbours.
     """
     del attention  # one implementation for now; the switch lives in ServeConfig
-    n_frames = audio.shape[1] // cfg.encoder.mel.samples_per_frame
     enc_state, enc, proj = conformer.encoder_step(
         params.encoder, state.encoder, audio, cfg=cfg.encoder, precision=precision
     )
@@ -122,14 +123,9 @@ def advance(
         llm_state, text, func, _ = listen_frame(
             params, llm_state, text_prev, func_prev, a_t, cfg=cfg
         )
-        frame_keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key), frame)
+        frame_keys = None if deterministic else _frame_keys(key, frame)
         tts_state, codes, dec_codes = ear_tts.tts_step(
-            params.tts,
-            tts_state,
-            text,
-            frame_keys,
-            cfg=cfg,
-            deterministic=deterministic,
+            params.tts, tts_state, text, frame_keys, cfg=cfg, deterministic=deterministic
         )
         return (llm_state, tts_state, text, func, frame + 1), (text, func, codes, dec_codes)
 
@@ -139,7 +135,6 @@ def advance(
     codec_state, wav = codec.decode_step(
         params.codec, state.codec, jnp.swapaxes(dec_codes, 0, 1), cfg=cfg.codec
     )
-    del n_frames
     new_state = FrameState(
         encoder=enc_state,
         llm=llm_state,
@@ -159,3 +154,81 @@ def advance(
         n_transcript=n_transcript,
     )
     return new_state, out
+
+
+def _frame_keys(key: jax.Array, frame: jax.Array) -> jax.Array:
+    """[B] typed keys: session key ``key[b]`` folded with the session's frame index."""
+    return jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key), frame)
+
+
+def initial_state(
+    params: ModelParams,
+    *,
+    cfg: ModelConfig,
+    precision: Precision,
+    max_len: int,
+    system_prompt: tuple[int, ...] = (),
+    deterministic: bool = False,
+) -> FrameState:
+    """The fresh-session state (batch 1): computed once at start-up, copied in on admission.
+
+    - the speech decoder's speaker-prompt prefill (``DuplexEARTTS.set_init_inputs`` /
+      ``get_init_inputs``; the codec's codes of silence from ``codec.encode``);
+    - with a system prompt, its ``P`` positions run as NeMo's ``offline_inference`` runs them
+      (``DuplexSTTStreamingInference._init_inference``): the LLM reads ``w_user E[token]`` with PAD
+      on the text and function channels, no outputs are taken, and the speech decoder and codec
+      step over those positions with PAD text (their audio is not emitted);
+    - empty encoder, RNNT and codec streams; previous text and function tokens PAD.
+
+    Args:
+      max_len: the context cap in frames (``ServeConfig.context_frames``); caches get room for it
+        plus the prompts.
+      system_prompt: token ids, passed as NeMo takes them (it adds no BOS/EOS itself).
+    """
+    P = len(system_prompt)
+    silence = jnp.zeros((1, ear_tts.prompt_samples(cfg)), jnp.float32)
+    prompt_codes = codec.encode(params.codec, silence, cfg=cfg.codec)[0]
+    tts_state = ear_tts.warmup_state(
+        params.tts,
+        prompt_codes,
+        cfg=cfg,
+        precision=precision,
+        batch=1,
+        max_len=cfg.tts.prompt_frames + P + max_len,
+    )
+    llm_state = nano.init_state(cfg.llm, 1, P + max_len, precision)
+    codec_state = codec.init_state(cfg.codec, 1, precision)
+    pad = jnp.full((1,), PAD_ID, jnp.int32)
+    if P:
+        ids = jnp.asarray(system_prompt, jnp.int32)[None]  # [1, P]
+        prompt = nano.embed(params.llm, ids).astype(jnp.float32)  # scaled by w_user below
+        pads = jnp.full((1, P), PAD_ID, jnp.int32)
+        e = nano.input_embedding(params.llm, pads, pads, prompt, cfg=cfg.llm)
+        llm_state, _ = nano.prefill(params.llm, llm_state, e, cfg=cfg.llm)
+
+        def prompt_frame(carry, n):
+            tts_s, codec_s = carry
+            keys = (
+                None
+                if deterministic
+                else _frame_keys(jnp.zeros((1, 2), jnp.uint32).at[:, 1].set(TEMPLATE_KEY), n[None])
+            )
+            tts_s, _, dec = ear_tts.tts_step(
+                params.tts, tts_s, pad, keys, cfg=cfg, deterministic=deterministic
+            )
+            codec_s, _ = codec.decode_step(params.codec, codec_s, dec[:, None], cfg=cfg.codec)
+            return (tts_s, codec_s), None
+
+        (tts_state, codec_state), _ = jax.lax.scan(
+            prompt_frame, (tts_state, codec_state), jnp.arange(P, dtype=jnp.int32)
+        )
+    return FrameState(
+        encoder=conformer.init_state(cfg.encoder, 1, precision),
+        llm=llm_state,
+        rnnt=rnnt.init_state(cfg.rnnt, 1, precision),
+        tts=tts_state,
+        codec=codec_state,
+        text_prev=pad,
+        func_prev=pad,
+        frame=jnp.zeros((1,), jnp.int32),
+    )

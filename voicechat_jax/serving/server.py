@@ -1,4 +1,4 @@
-"""The serving run: an ``Engine`` (device side) driven on the beat clock by a ``Server`` (host side).
+"""A serving run: an ``Engine`` (device side) driven on the beat clock by a ``Server`` (host).
 
 ``Engine`` holds the parameters, the fresh-session template, the slot state and the compiled tick.
 ``Server`` owns the clock, the slot table, the per-session input queues, the metrics and each

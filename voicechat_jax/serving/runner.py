@@ -1,0 +1,161 @@
+"""One serving run from options: build the model, script the sessions, serve, write the outputs.
+
+This is the library behind ``voicechat-serve`` (and the tests of it): ``run(RunOptions(...))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from absl import logging
+
+from voicechat_jax import config as config_lib
+from voicechat_jax.model import voicechat
+from voicechat_jax.precision import Precision
+from voicechat_jax.serving import audio as audio_lib
+from voicechat_jax.serving.metrics import format_table
+from voicechat_jax.serving.server import Engine, Server, SessionPlan, write_session_outputs
+
+DEFAULT_WAV = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "speech_16k.wav")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Everything a serving run is configured by (the CLI's flags)."""
+
+    model: str = "tiny"
+    slots: int = 4
+    sessions: int = 4
+    seconds: float = 10.0
+    frames_per_tick: int = 2
+    context_frames: int = 1500
+    input_wavs: tuple[str, ...] = ()
+    output_dir: str = "runs/serve"
+    loop: str = "resident"
+    clock: str = "realtime"
+    speech_sampling: str = "faithful"
+    churn: bool = False
+    seed: int = 0
+    precision: str = "reference"
+    warmup_ticks: int = 3
+    checkpoint: str | None = None
+
+
+@dataclasses.dataclass
+class RunResult:
+    summary: dict
+    table: str
+    outputs: dict  # session id -> {"wav": path, "frames": path, ...}
+    failures: dict  # session id -> error message (refused, bad input)
+    ended: dict  # session id -> why it ended before the run did
+    compiles: int  # tick traces during the run (1 expected)
+
+
+def default_wav() -> str:
+    path = os.path.normpath(DEFAULT_WAV)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"the bundled recording is missing: {path}")
+    return path
+
+
+def _load_inputs(paths: tuple[str, ...], n: int) -> list[tuple[str, np.ndarray | Exception]]:
+    """Each session's (source, audio or the error reading it); sessions take files in turn."""
+    paths = paths or (default_wav(),)
+    loaded: dict[str, np.ndarray | Exception] = {}
+    for p in paths:
+        try:
+            loaded[p] = audio_lib.read_wav(p, expected_rate=16000)
+        except audio_lib.AudioInputError as e:
+            logging.error("input %s rejected: %s", p, e)
+            loaded[p] = e
+    return [(paths[i % len(paths)], loaded[paths[i % len(paths)]]) for i in range(n)]
+
+
+def plans_for(
+    options: RunOptions, n_ticks: int, inputs: list[tuple[str, np.ndarray | Exception]]
+) -> tuple[list[SessionPlan], dict]:
+    """Scripted sessions: all join at tick 0, or (churn) join and leave at random ticks."""
+    rng = np.random.default_rng(options.seed)
+    plans, failures = [], {}
+    for i, (src, audio) in enumerate(inputs):
+        sid = f"s{i:03d}"
+        if isinstance(audio, Exception):
+            failures[sid] = str(audio)
+            continue
+        join, leave = 0, None
+        if options.churn:
+            join = int(rng.integers(0, max(1, n_ticks - 1)))
+            span = int(rng.integers(1, max(2, n_ticks - join)))
+            leave = join + span if join + span < n_ticks else None
+        plans.append(SessionPlan(id=sid, audio=audio, join=join, leave=leave, source=src))
+    return plans, failures
+
+
+def build(options: RunOptions):
+    """The model config, params, serve config and precision of a run."""
+    precision = Precision.fp32() if options.precision == "fp32" else Precision.reference()
+    if options.checkpoint:
+        from voicechat_jax import checkpoint as ckpt  # converted checkpoints (voicechat-convert)
+
+        cfg, params, tokenizer = ckpt.restore(options.checkpoint, precision)
+    else:
+        if options.model not in config_lib.PRESETS:
+            known = sorted(config_lib.PRESETS)
+            raise ValueError(f"unknown model preset {options.model!r}: {known}")
+        cfg = config_lib.PRESETS[options.model]()
+        params = voicechat.init(jax.random.key(options.seed), cfg, precision)
+        tokenizer = None
+    serve = config_lib.ServeConfig(
+        slots=options.slots,
+        frames_per_tick=options.frames_per_tick,
+        context_frames=options.context_frames,
+        speech_sampling=options.speech_sampling,
+    )
+    return cfg, params, serve, precision, tokenizer
+
+
+def run(options: RunOptions, *, progress: Callable[[int], None] | None = None) -> RunResult:
+    """Serves the scripted sessions of ``options`` and writes their outputs."""
+    del progress
+    cfg, params, serve, precision, tokenizer = build(options)
+    n_ticks = max(1, round(options.seconds * 1000.0 / serve.beat_ms))
+    inputs = _load_inputs(options.input_wavs, options.sessions)
+    plans, failures = plans_for(options, n_ticks, inputs)
+    os.makedirs(options.output_dir, exist_ok=True)
+    from voicechat_jax import step as step_lib
+
+    traces0 = step_lib.TRACE_COUNT["tick"]
+    engine = Engine(params, cfg, serve, precision)
+    with open(os.path.join(options.output_dir, "metrics.jsonl"), "w") as sink:
+        server = Server(
+            engine,
+            clock=options.clock,
+            loop=options.loop,
+            seed=options.seed,
+            warmup_ticks=options.warmup_ticks,
+            metrics_sink=sink,
+            max_backlog_beats=None if options.clock == "offline" else 4,
+        )
+        server.run(plans, n_ticks)
+        summary = server.metrics.close()
+    failures.update(server.failures)
+    outputs = {}
+    for sid, log in server.logs.items():
+        outputs[sid] = write_session_outputs(
+            options.output_dir, sid, log, sample_rate=cfg.codec.sample_rate, tokenizer=tokenizer
+        )
+    with open(os.path.join(options.output_dir, "sessions.json"), "w") as f:
+        json.dump({"failures": failures, "ended": server.ended}, f, indent=1, default=str)
+    return RunResult(
+        summary=summary,
+        table=format_table(summary),
+        outputs=outputs,
+        failures=failures,
+        ended=dict(server.ended),
+        compiles=step_lib.TRACE_COUNT["tick"] - traces0,
+    )
