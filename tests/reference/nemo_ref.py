@@ -221,8 +221,10 @@ class _PerceptionAsASR:
 
 
 @torch.no_grad()
-def nemo_streaming_perception(model, audio_16k: np.ndarray) -> np.ndarray:
+def nemo_streaming_perception(model, audio_16k: np.ndarray, *, return_encoder: bool = False):
     """Perception through NeMo's cache-aware streaming path: [T, D_llm].
+
+    With ``return_encoder`` also the encoder frames [T, D_enc] (what the RNNT head reads).
 
     Mirrors NeMo's ``speech_to_text_cache_aware_streaming_infer.py``: the encoder's default
     ``setup_streaming_params()`` (one encoder frame per chunk: mel frame 0 alone, then 8 new
@@ -257,7 +259,26 @@ def nemo_streaming_perception(model, audio_16k: np.ndarray) -> np.ndarray:
         frames.append(encoded[0, :, : int(encoded_len[0])])
     encoded = torch.cat(frames, dim=-1)[None]  # [1, C, T]
     adapted, _ = perception.modality_adapter(audio_signal=encoded, length=None)
-    return perception.proj(adapted.transpose(1, 2))[0].numpy()
+    proj = perception.proj(adapted.transpose(1, 2))[0].numpy()
+    return (proj, encoded[0].T.numpy()) if return_encoder else proj
+
+
+@torch.no_grad()
+def nemo_rnnt_frames(model, encoder_frames: np.ndarray, max_symbols: int) -> list[list[int]]:
+    """NeMo's greedy RNNT decoding (``GreedyRNNTInfer``) of [T, D_enc]: labels per frame."""
+    from nemo.collections.asr.parts.submodules import rnnt_greedy_decoding as greedy
+
+    dec, joint = model.stt_model.rnnt_decoder, model.stt_model.rnnt_joint
+    enc = torch.as_tensor(np.asarray(encoder_frames, np.float32)).T[None]  # [1, D, T]
+    T = enc.shape[-1]
+    infer = greedy.GreedyRNNTInfer(
+        dec, joint, blank_index=dec.blank_idx, max_symbols_per_step=max_symbols
+    )
+    (hyp,) = infer(encoder_output=enc, encoded_lengths=torch.tensor([T]))[0]
+    out: list[list[int]] = [[] for _ in range(T)]
+    for k, t in zip(np.asarray(hyp.y_sequence).tolist(), np.asarray(hyp.timestamp).tolist()):
+        out[int(t)].append(int(k))
+    return out
 
 
 @torch.no_grad()
