@@ -88,7 +88,8 @@ def test_streaming_perception_matches_nemo(params, tiny_cfg, speech, reference):
     step = jax.jit(functools.partial(conformer.encoder_step, cfg=tiny_cfg.encoder, precision=F32))
     enc, proj = [], []
     for t in range(N_FRAMES):
-        state, e, p = step(params.encoder, state, jnp.asarray(speech[None, t * SPF : (t + 1) * SPF]))
+        pcm = jnp.asarray(speech[None, t * SPF : (t + 1) * SPF])
+        state, e, p = step(params.encoder, state, pcm)
         enc.append(np.asarray(e[0, 0]))
         proj.append(np.asarray(p[0, 0]))
     n = min(N_FRAMES, reference["proj"].shape[0])
@@ -173,9 +174,7 @@ def test_whole_model_matches_nemo(ours, reference):
     np.testing.assert_array_equal(ours["text"], reference["text"][:n])
     np.testing.assert_array_equal(ours["function"], reference["function"][:n])
     np.testing.assert_array_equal(ours["codes"], reference["codes"][:n])
-    transcript = [
-        ours["transcript"][t, : ours["n_transcript"][t]].tolist() for t in range(n)
-    ]
+    transcript = [ours["transcript"][t, : ours["n_transcript"][t]].tolist() for t in range(n)]
     assert transcript == reference["transcript"][:n]
     _assert_wav_matches(ours["wav"], reference["wav"][: n * 1764])
 

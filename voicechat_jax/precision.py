@@ -3,8 +3,8 @@
 NeMo's ``NemotronVoiceChat`` casts the LLM, its embedding and its heads to bf16 and keeps the
 perception encoder, the speech decoder and the codec in fp32 (NVIDIA notes that a bf16 speech
 decoder hallucinates); the Mamba-2 SSM state is kept in fp32 (``mamba_ssm_cache_dtype=float32``).
-``Precision.reference()`` is that policy; ``Precision.fp32()`` runs everything in fp32, which is what
-the parity tests against the torch references use.
+``Precision.reference()`` is that policy; ``Precision.fp32()`` runs everything in fp32, which is
+what the parity tests against the torch references use.
 """
 
 from __future__ import annotations

@@ -276,7 +276,8 @@ def nemo_rnnt_frames(model, encoder_frames: np.ndarray, max_symbols: int) -> lis
     )
     (hyp,) = infer(encoder_output=enc, encoded_lengths=torch.tensor([T]))[0]
     out: list[list[int]] = [[] for _ in range(T)]
-    for k, t in zip(np.asarray(hyp.y_sequence).tolist(), np.asarray(hyp.timestamp).tolist()):
+    labels, stamps = np.asarray(hyp.y_sequence).tolist(), np.asarray(hyp.timestamp).tolist()
+    for k, t in zip(labels, stamps, strict=True):
         out[int(t)].append(int(k))
     return out
 

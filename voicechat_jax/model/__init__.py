@@ -2,9 +2,9 @@
 
 One module per sub-network: ``mel`` (streaming log-mel front end), ``conformer`` (cache-aware
 FastConformer + ``perception.proj``), ``nano`` (the hybrid Mamba-2/attention LLM and its heads),
-``rnnt`` (the transcript side head), ``gemma`` (the speech decoder backbone), ``ear_tts`` (text side,
-gated fusion, MoG head, RVQ refinement), ``codec`` (the RVQ-VAE codec), ``listen`` (the listening
-half, one frame at a time).
+``rnnt`` (the transcript side head), ``gemma`` (the speech decoder backbone), ``char_encoder``
+(its char-aware text side), ``ear_tts`` and ``mog`` (gated fusion, MoG head, RVQ refinement),
+``codec`` (the RVQ-VAE codec); ``voicechat`` joins them into one frame step.
 
 Axis alphabet, used in every einsum, shape comment and docstring of the package:
 
