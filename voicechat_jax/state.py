@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from voicechat_jax.model import voicechat
@@ -51,11 +52,12 @@ class BeatOutput:
 
 def empty_beat(slots: int, samples: int) -> BeatInput:
     """A beat with no audio, no admission and no release (NumPy-friendly shapes)."""
+    # NumPy on purpose: building a beat on the host must not compile or run anything on device.
     return BeatInput(
-        audio=jnp.zeros((slots, samples), jnp.float32),
-        admit=jnp.zeros((slots,), bool),
-        release=jnp.zeros((slots,), bool),
-        key=jnp.zeros((slots, 2), jnp.uint32),
+        audio=np.zeros((slots, samples), np.float32),
+        admit=np.zeros((slots,), np.bool_),
+        release=np.zeros((slots,), np.bool_),
+        key=np.zeros((slots, 2), np.uint32),
     )
 
 

@@ -16,6 +16,7 @@ late) or from any other source that pushes into ``Server.queues``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import queue
@@ -95,6 +96,10 @@ class Engine:
         self._tick = None
         self.compile_s: float | None = None
 
+    def reset(self) -> None:
+        """Every slot back to the fresh template, none live (the compiled tick is kept)."""
+        self.state = state_lib.from_template(self.template, self.serve.slots)
+
     def empty_beat(self) -> state_lib.BeatInput:
         return state_lib.empty_beat(self.serve.slots, self.samples_per_beat)
 
@@ -124,9 +129,16 @@ class Engine:
         jax.block_until_ready(self.state)
 
 
-def session_key(seed: int, serial: int) -> np.ndarray:
-    """A session's raw sampling key ([2] uint32) from the run seed and its admission serial."""
-    return np.random.SeedSequence([seed, serial]).generate_state(2, np.uint32)
+def session_key(seed: int, session_id: Hashable) -> np.ndarray:
+    """A session's raw sampling key ([2] uint32) from the run seed and the session's id.
+
+    It depends on nothing else (not the slot, not the order of admission), so a session's speech
+    is the same whichever slot it lands in and whoever else is served.
+    """
+    digest = hashlib.sha256(repr(session_id).encode()).digest()
+    return np.random.SeedSequence([seed, int.from_bytes(digest[:8], "little")]).generate_state(
+        2, np.uint32
+    )
 
 
 class Server:
@@ -160,7 +172,6 @@ class Server:
         self.logs: dict[Hashable, FrameLog] = {}
         self.failures: dict[Hashable, str] = {}
         self.ended: dict[Hashable, str] = {}  # session -> why it ended (left, failed, context cap)
-        self._serial = 0
         self._pending_release: dict[int, Hashable] = {}
         self._snapshots: dict[int, tuple[list, list, float]] = {}
         self._plans: list[SessionPlan] = []
@@ -210,8 +221,7 @@ class Server:
             self.queues.open(self.slots.session(plan.id))
             admit[slot] = True
             release[slot] = False
-            keys[slot] = session_key(self.seed, self._serial)
-            self._serial += 1
+            keys[slot] = session_key(self.seed, plan.id)
             self.logs[plan.id] = FrameLog()
         for event in self.slots.drain_events():
             self.metrics.record_event(**event)

@@ -1,0 +1,265 @@
+"""The session engine on the tiny random model: serving-spec §5's gates, both loops, the tick.
+
+Every run here uses the offline clock (beats back to back), so outputs are reproducible; the
+real-time clock is exercised by the CLI test.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import wave
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from voicechat_jax import state as state_lib
+from voicechat_jax import step as step_lib
+from voicechat_jax.config import ServeConfig, tiny
+from voicechat_jax.model import voicechat
+from voicechat_jax.precision import Precision
+from voicechat_jax.serving import runner
+from voicechat_jax.serving.server import Engine, Server, SessionPlan, session_key
+
+CFG = tiny()
+PREC = Precision.fp32()
+SPF = 1280
+BEAT = 2 * SPF
+
+
+@pytest.fixture(scope="module")
+def params():
+    return voicechat.init(jax.random.key(0), CFG, PREC)
+
+
+@pytest.fixture(scope="module")
+def engine(params):
+    """One engine (template + compiled tick) shared by the runs; ``reset`` before each."""
+    serve = ServeConfig(slots=3, frames_per_tick=2, context_frames=64)
+    return Engine(params, CFG, serve, PREC)
+
+
+def _speech(seconds: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = int(seconds * 16000)
+    t = np.arange(n) / 16000
+    tone = np.sin(2 * np.pi * (150 + 100 * seed) * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 2 * t))
+    return (0.3 * tone + 0.05 * rng.standard_normal(n)).astype(np.float32)
+
+
+def _serve(engine, plans, n_ticks, *, loop="dispatch", warmup_ticks=2) -> Server:
+    engine.reset()
+    server = Server(engine, clock="offline", loop=loop, warmup_ticks=warmup_ticks, seed=7)
+    server.run(plans, n_ticks)
+    return server
+
+
+def _out(server, sid) -> dict[str, np.ndarray]:
+    return server.logs[sid].arrays()
+
+
+def _same(a: dict, b: dict) -> None:
+    for k in ("text", "function", "codes", "wav"):
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_capacity_refuses_n_plus_one(engine):
+    plans = [SessionPlan(id=f"c{i}", audio=_speech(1, i)) for i in range(4)]
+    server = _serve(engine, plans, 4)
+    assert sorted(server.logs) == ["c0", "c1", "c2"]
+    assert "server full: 3 of 3 slots in use; session c3 refused" in server.failures["c3"]
+    assert server.metrics.summary()["events"]["refused"] == 1
+
+
+def test_reused_slot_equals_fresh_server(engine):
+    """A session in a slot another session just left gives exactly its fresh-server output."""
+    a = SessionPlan(id="a", audio=_speech(2, 1), join=0, leave=5)
+    b = SessionPlan(id="b", audio=_speech(2, 2), join=5)
+    c = SessionPlan(id="c", audio=_speech(2, 3), join=0)  # a neighbour, live throughout
+    reused = _serve(engine, [a, c, b], 12)
+    assert reused.logs["b"].arrays()["text"].size == 7 * 2
+    fresh = _serve(engine, [SessionPlan(id="b", audio=_speech(2, 2), join=0)], 7)
+    _same(_out(reused, "b"), _out(fresh, "b"))
+
+
+def test_churn_every_tick_compiles_once(params):
+    """Sessions join and leave on every tick at full load; the tick compiles exactly once."""
+    events, recording = [], [True]
+
+    def listener(event, duration, **kw):
+        if recording[0] and event == "/jax/core/compile/backend_compile_duration":
+            events.append(duration)
+
+    serve = ServeConfig(slots=2, frames_per_tick=2, context_frames=64)
+    engine = Engine(params, CFG, serve, PREC)
+    plans = []
+    for k in range(10):  # each tick one session leaves and another joins its slot
+        plans.append(SessionPlan(id=f"j{k}", audio=_speech(1, k), join=k, leave=k + 2))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    traces = step_lib.TRACE_COUNT["tick"]
+    server = Server(engine, clock="offline", loop="dispatch", warmup_ticks=0)
+    server.run(plans, 12)
+    recording[0] = False
+    assert step_lib.TRACE_COUNT["tick"] - traces == 1
+    assert len(events) == 1
+    summary = server.metrics.summary()
+    assert summary["events"]["admitted"] == 10
+    assert summary["events"].get("refused", 0) == 0
+
+
+def test_late_input_is_silence_plus_underrun(engine):
+    """Audio that misses its beat becomes silence and one underrun; it is played a beat late."""
+    x = _speech(2, 4)
+    late = _serve(engine, [SessionPlan(id="l", audio=x, late=frozenset({3}))], 8)
+    assert late.queues.underruns == 1
+    shifted = np.concatenate([x[: 3 * BEAT], np.zeros(BEAT, np.float32), x[3 * BEAT :]])
+    ref = _serve(engine, [SessionPlan(id="l", audio=shifted)], 8)
+    assert ref.queues.underruns == 0
+    _same(_out(late, "l"), _out(ref, "l"))
+
+
+def test_warmup_reported_apart(engine):
+    server = _serve(engine, [SessionPlan(id="w", audio=_speech(1, 5))], 6, warmup_ticks=2)
+    summary = server.metrics.summary()
+    assert summary["warmup"]["ticks"] == 2
+    assert summary["ticks"] == 4
+    assert "tick" in summary["compile_s"]
+
+
+def test_bad_input_fails_only_that_session(engine):
+    """NaN audio mid-call fails that session alone; the others' outputs do not change."""
+    good = [SessionPlan(id=f"g{i}", audio=_speech(2, 10 + i)) for i in range(2)]
+    bad_audio = _speech(2, 12)
+    bad_audio[3 * BEAT + 100] = np.nan
+    with_bad = _serve(engine, [*good, SessionPlan(id="bad", audio=bad_audio)], 8)
+    assert "NaN" in with_bad.failures["bad"] or "nan" in with_bad.failures["bad"].lower()
+    assert with_bad.ended["bad"].startswith("failed")
+    alone = _serve(engine, good, 8)
+    for p in good:
+        _same(_out(with_bad, p.id), _out(alone, p.id))
+
+
+def test_resident_equals_dispatch(engine):
+    plans = [
+        SessionPlan(id="r0", audio=_speech(2, 20)),
+        SessionPlan(id="r1", audio=_speech(2, 21), join=2, leave=6),
+    ]
+    resident = _serve(engine, plans, 8, loop="resident")
+    dispatch = _serve(engine, plans, 8, loop="dispatch")
+    for p in plans:
+        _same(_out(resident, p.id), _out(dispatch, p.id))
+
+
+def test_served_frames_equal_the_model_alone(engine, params):
+    """A served session's frames equal ``voicechat.advance`` on its audio alone, frame by frame."""
+    x = _speech(2, 30)
+    server = _serve(engine, [SessionPlan(id="m", audio=x)], 6)
+    served = _out(server, "m")
+    template = voicechat.initial_state(params, cfg=CFG, precision=PREC, max_len=64)
+    advance = jax.jit(
+        functools.partial(voicechat.advance, cfg=CFG, precision=PREC, deterministic=False)
+    )
+    key = jnp.asarray(session_key(7, "m"))[None]
+    state, text, codes, wav = template, [], [], []
+    for t in range(6):
+        state, out = advance(params, state, jnp.asarray(x[None, t * BEAT : (t + 1) * BEAT]), key)
+        text.append(np.asarray(out.text[0]))
+        codes.append(np.asarray(out.codes[0]))
+        wav.append(np.asarray(out.wav[0]))
+    np.testing.assert_array_equal(served["text"], np.concatenate(text))
+    np.testing.assert_array_equal(served["codes"], np.concatenate(codes))
+    # The waveform is computed in a batch of 3 slots vs 1: XLA's CPU kernels may round differently
+    # per batch size (seen: 2e-7 absolute), never the tokens or codes.
+    np.testing.assert_allclose(served["wav"], np.concatenate(wav), rtol=0, atol=1e-5)
+
+
+def test_inactive_slots_are_bit_identical(engine, params):
+    """A tick leaves every leaf of an inactive slot as it was; live slots move."""
+    serve = engine.serve
+    state = state_lib.from_template(engine.template, serve.slots)
+    state = state.replace(active=jnp.asarray([True, False, True]))
+    before = jax.device_get(state)
+    beat = state_lib.BeatInput(
+        audio=jnp.asarray(np.stack([_speech(0.16, i) for i in range(3)])),
+        admit=jnp.zeros(3, bool),
+        release=jnp.zeros(3, bool),
+        key=jnp.zeros((3, 2), jnp.uint32),
+    )
+    tick = jax.jit(functools.partial(step_lib.tick, cfg=CFG, serve=serve, precision=PREC))
+    after, out = tick(params, state, engine.template, beat)
+    after = jax.device_get(after)
+    for x, y in zip(
+        jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after), strict=True
+    ):
+        np.testing.assert_array_equal(x[1], y[1])
+    assert int(after.model.frame[0]) == 2
+    assert int(after.model.frame[1]) == 0
+    assert list(np.asarray(out.ran)) == [True, False, True]
+
+
+def test_context_cap_ends_the_session(params):
+    serve = ServeConfig(slots=1, frames_per_tick=2, context_frames=6)
+    engine = Engine(params, CFG, serve, PREC)
+    server = Server(engine, clock="offline", loop="dispatch", warmup_ticks=0)
+    server.run([SessionPlan(id="cap", audio=_speech(2, 40))], 6)
+    assert server.logs["cap"].arrays()["text"].size == 6
+    assert server.ended["cap"] == "context cap"
+
+
+def _write_wav(path, x, rate=16000, channels=1):
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+
+
+@pytest.mark.parametrize("kind", ["rate", "stereo", "empty"])
+def test_bad_input_file_is_refused_clearly(tmp_path, kind):
+    """A bad file fails its session with a clear message; the others' outputs are unchanged."""
+    good = tmp_path / "good.wav"
+    _write_wav(good, _speech(1, 50))
+    bad = tmp_path / f"bad_{kind}.wav"
+    if kind == "rate":
+        _write_wav(bad, _speech(1, 51), rate=8000)
+    elif kind == "stereo":
+        _write_wav(bad, np.repeat(_speech(1, 51), 2), channels=2)
+    else:
+        _write_wav(bad, np.zeros(0, np.float32))
+    opts = dict(seconds=0.64, clock="offline", loop="dispatch", slots=2, warmup_ticks=0)
+    with_bad = runner.run(
+        runner.RunOptions(
+            sessions=2, input_wavs=(str(good), str(bad)), output_dir=str(tmp_path / "a"), **opts
+        )
+    )
+    message = with_bad.failures["s001"]
+    assert {"rate": "8000", "stereo": "channel", "empty": "empty"}[kind] in message.lower()
+    assert "s001" not in with_bad.outputs
+    runner.run(
+        runner.RunOptions(
+            sessions=1, input_wavs=(str(good),), output_dir=str(tmp_path / "b"), **opts
+        )
+    )
+    for name in ("frames.jsonl", "output.wav"):
+        a = (tmp_path / "a" / "s000" / name).read_bytes()
+        b = (tmp_path / "b" / "s000" / name).read_bytes()
+        assert a == b, name
+
+
+def test_frames_jsonl_schema(tmp_path):
+    result = runner.run(
+        runner.RunOptions(
+            seconds=0.48, clock="offline", sessions=1, slots=1, output_dir=str(tmp_path)
+        )
+    )
+    with open(result.outputs["s000"]["frames"]) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["frame"] for r in rows] == list(range(6))
+    for r in rows:
+        assert {"frame", "text", "function", "codes"} <= set(r)
+        assert len(r["codes"]) == CFG.tts.n_quantizers
+    with wave.open(result.outputs["s000"]["wav"]) as w:
+        assert w.getframerate() == 22050
+        assert w.getnframes() == 6 * 1764
