@@ -22,6 +22,7 @@ from voicechat_jax.config import EOS_ID, PAD_ID
 from voicechat_jax.model import char_encoder, codec, conformer, ear_tts, nano, rnnt, voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import audio as audio_lib
+from voicechat_jax.serving import runner
 
 F32 = Precision.fp32()
 N_FRAMES = 64  # 5.12 s of input
@@ -36,7 +37,7 @@ def _rel(a, b) -> float:
 @pytest.fixture(scope="module")
 def speech() -> np.ndarray:
     """The bundled speech recording, padded with low noise to 64 frames (5.12 s)."""
-    path = os.path.join(os.path.dirname(__file__), "..", "assets", "speech_16k.wav")
+    path = runner.default_wav()
     x = audio_lib.read_wav(path)
     n = N_FRAMES * SPF
     rng = np.random.default_rng(0)

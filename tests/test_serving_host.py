@@ -36,7 +36,7 @@ from voicechat_jax.serving import (
 
 P = 0.16  # seconds per tick: 2 frames of 80 ms
 BEAT = 2 * FRAME_LEN  # input samples per tick
-ASSETS = pathlib.Path(__file__).resolve().parent.parent / "assets"
+ASSETS = pathlib.Path(__file__).resolve().parent.parent / "voicechat_jax" / "assets"
 
 
 class FakeTime:

@@ -21,7 +21,7 @@ from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving.metrics import format_table
 from voicechat_jax.serving.server import Engine, Server, SessionPlan, write_session_outputs
 
-DEFAULT_WAV = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "speech_16k.wav")
+DEFAULT_WAV = os.path.join(os.path.dirname(__file__), "..", "assets", "speech_16k.wav")
 
 
 @dataclasses.dataclass(frozen=True)

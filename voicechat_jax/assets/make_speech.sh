@@ -4,7 +4,7 @@
 # the same tool versions gives the same bytes).
 #
 # Needs: espeak-ng and sox (Debian/Ubuntu: apt-get install -y espeak-ng sox).
-# Usage: assets/make_speech.sh [output.wav]    (default: speech_16k.wav beside this script)
+# Usage: voicechat_jax/assets/make_speech.sh [output.wav]    (default: speech_16k.wav beside this script)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
