@@ -10,7 +10,6 @@ Our side loads NeMo's state dict through the one release key table.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
