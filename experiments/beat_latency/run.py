@@ -1,0 +1,105 @@
+"""Beat latency of the engine: model preset x loop x sessions, random weights, one run each.
+
+Prints one row per configuration (compile time; beat latency p50 / p99 / max over steady ticks;
+missed ticks) and writes the rows as JSON lines to --out. See README.md beside this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+from voicechat_jax import config as config_lib
+from voicechat_jax.model import voicechat
+from voicechat_jax.precision import Precision
+from voicechat_jax.serving.server import Engine, Server, SessionPlan
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "tiny", "Preset: tiny | voicechat_11b.")
+flags.DEFINE_list("sessions", ["1", "8", "32"], "Session counts (slots = sessions).")
+flags.DEFINE_list("loops", ["dispatch", "resident"], "Loops to measure.")
+flags.DEFINE_integer("ticks", 60, "Ticks per run (160 ms beats), warm-up included.")
+flags.DEFINE_integer("warmup_ticks", 5, "Ticks reported apart as warm-up.")
+flags.DEFINE_integer("context_frames", 256, "Context cap in frames (short context).")
+flags.DEFINE_enum("clock", "realtime", ["realtime", "offline"], "Beat clock.")
+flags.DEFINE_string("out", None, "JSON-lines output file.")
+
+
+def _speech(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(n) / 16000
+    x = np.sin(2 * np.pi * (180 + 40 * seed) * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 1.7 * t))
+    return (0.3 * x + 0.03 * rng.standard_normal(n)).astype(np.float32)
+
+
+def measure(params, cfg, precision, sessions: int, loop: str) -> dict:
+    serve = config_lib.ServeConfig(
+        slots=sessions, frames_per_tick=2, context_frames=FLAGS.context_frames
+    )
+    t = time.perf_counter()
+    engine = Engine(params, cfg, serve, precision)
+    template_s = time.perf_counter() - t
+    samples = FLAGS.ticks * engine.samples_per_beat
+    plans = [SessionPlan(id=f"s{i}", audio=_speech(samples, i)) for i in range(sessions)]
+    server = Server(engine, clock=FLAGS.clock, loop=loop, warmup_ticks=FLAGS.warmup_ticks)
+    server.run(plans, FLAGS.ticks)
+    s = server.metrics.summary()
+    lat = s["latency_ms"]
+    return {
+        "model": FLAGS.model,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "loop": loop,
+        "sessions": sessions,
+        "context_frames": FLAGS.context_frames,
+        "clock": FLAGS.clock,
+        "template_s": round(template_s, 2),
+        "compile_s": round(next(iter(s["compile_s"].values())), 2),
+        "steady_ticks": s["ticks"],
+        "p50_ms": lat["p50"],
+        "p99_ms": lat["p99"],
+        "max_ms": lat["max"],
+        "missed_ticks": s["missed_ticks"],
+        "warmup_max_ms": s["warmup"]["latency_ms"]["max"],
+    }
+
+
+def main(argv):
+    del argv
+    cfg = config_lib.PRESETS[FLAGS.model]()
+    precision = Precision.reference()
+    t = time.perf_counter()
+    params = voicechat.init(jax.random.key(0), cfg, precision)
+    jax.block_until_ready(params)
+    logging.info("random %s params in %.1f s", FLAGS.model, time.perf_counter() - t)
+    rows = []
+    for loop in FLAGS.loops:
+        for n in (int(x) for x in FLAGS.sessions):
+            row = measure(params, cfg, precision, n, loop)
+            rows.append(row)
+            logging.info("%s", row)
+            if FLAGS.out:
+                with open(FLAGS.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    head = f"{'loop':9} {'sess':>4} {'compile s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}"
+    head += f" {'missed':>6}"
+    print(
+        f"{FLAGS.model} on {rows[0]['device']}, jax {jax.__version__}, {FLAGS.clock} clock, "
+        f"160 ms beat, context cap {FLAGS.context_frames} frames"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['loop']:9} {r['sessions']:>4} {r['compile_s']:>9.1f} {r['p50_ms']:>8.1f} "
+            f"{r['p99_ms']:>8.1f} {r['max_ms']:>8.1f} {r['missed_ticks']:>6}"
+        )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    app.run(main)
