@@ -194,3 +194,33 @@ def test_one_frame_per_call_equals_two(params, tiny_cfg, speech, ours):
         codes.append(np.asarray(out.codes[0, 0]))
     np.testing.assert_array_equal(text, ours["text"][:16])
     np.testing.assert_array_equal(np.stack(codes), ours["codes"][:16])
+
+
+def test_system_prompt_template_matches_nemo(params, tiny_cfg, nemo_tiny, speech, reference):
+    """A session started from a system-prompt template matches NeMo's run with that prompt.
+
+    NeMo's ``offline_inference`` with prompt tokens puts their embeddings on the user channel of
+    the first P positions (text PAD), and its EarTTS loop runs over those positions with PAD
+    text; the audio frames then follow. Our template holds all of that; the session's frames
+    must equal NeMo's frames P.. of the same run.
+    """
+    prompt = (1, 40, 77, 123, 2)
+    n = 24
+    listen = nemo_ref.nemo_listen(nemo_tiny, reference["proj"][:n], system_prompt_ids=list(prompt))
+    speak = nemo_ref.nemo_speak(nemo_tiny, np.concatenate([[PAD_ID] * len(prompt), listen["text"]]))
+    template = voicechat.initial_state(
+        params, cfg=tiny_cfg, precision=F32, max_len=n, system_prompt=prompt, deterministic=True
+    )
+    advance = jax.jit(
+        functools.partial(voicechat.advance, cfg=tiny_cfg, precision=F32, deterministic=True)
+    )
+    state, key, text, func, codes = template, jnp.zeros((1, 2), jnp.uint32), [], [], []
+    for t in range(0, n, 2):
+        state, out = advance(params, state, jnp.asarray(speech[None, t * SPF : (t + 2) * SPF]), key)
+        text.extend(np.asarray(out.text[0]).tolist())
+        func.extend(np.asarray(out.function[0]).tolist())
+        codes.append(np.asarray(out.codes[0]))
+    np.testing.assert_array_equal(text, listen["text"])
+    np.testing.assert_array_equal(func, listen["function"])
+    np.testing.assert_array_equal(np.concatenate(codes), speak["codes"][len(prompt) :])
+    assert not np.array_equal(listen["text"], reference["text"][:n]), "the prompt changed nothing"
