@@ -208,6 +208,27 @@ def test_context_cap_ends_the_session(params):
     assert server.ended["cap"] == "context cap"
 
 
+def test_context_cap_rollover_reseeds_and_goes_on(params):
+    """With ``at_cap='rollover'`` a session at the cap is re-seeded from the template and goes on.
+
+    Its frames after the rollover equal a fresh session's first frames on the same audio.
+    """
+    serve = ServeConfig(slots=1, frames_per_tick=2, context_frames=6, at_cap="rollover")
+    engine = Engine(params, CFG, serve, PREC)
+    x = _speech(2, 41)
+    server = Server(engine, clock="offline", loop="dispatch", warmup_ticks=0)
+    server.run([SessionPlan(id="roll", audio=x)], 8)
+    out = server.logs["roll"].arrays()
+    assert "roll" not in server.ended
+    # Every tick runs: ticks 0-2 fill the 6-frame cap, tick 3 is re-seeded first, and so on.
+    assert out["text"].size == 16
+    engine.reset()
+    fresh = Server(engine, clock="offline", loop="dispatch", warmup_ticks=0)
+    fresh.run([SessionPlan(id="roll", audio=x[3 * BEAT :])], 3)
+    np.testing.assert_array_equal(out["text"][6:12], fresh.logs["roll"].arrays()["text"])
+    np.testing.assert_array_equal(out["codes"][6:12], fresh.logs["roll"].arrays()["codes"])
+
+
 def _write_wav(path, x, rate=16000, channels=1):
     with wave.open(str(path), "wb") as w:
         w.setnchannels(channels)

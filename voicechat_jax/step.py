@@ -71,7 +71,8 @@ def tick(
 
     Returns:
       The new state and the beat's outputs. A slot that is inactive, or would pass the context
-      cap, does not advance and its state is returned bit-identical.
+      cap (``at_cap='end'``), does not advance and its state is returned bit-identical; with
+      ``at_cap='rollover'`` a session at the cap is re-seeded from the template and runs its beat.
     """
     TRACE_COUNT["tick"] += 1
     fpt = serve.frames_per_tick
@@ -84,11 +85,29 @@ def tick(
     state = jax.lax.cond(changed, membership, lambda s: s, state)
 
     room = state.model.frame + fpt <= serve.context_frames
-    ran = state.active & room
     at_cap = state.active & ~room
+    model = state.model
+    if serve.at_cap == "rollover":
+        # Re-seed a session at the cap from the template before its beat; it keeps its sampling
+        # key and loses no audio.
+        model = jax.lax.cond(
+            jnp.any(at_cap),
+            lambda m: _where_slots(
+                at_cap,
+                jax.tree_util.tree_map(lambda t, x: jnp.broadcast_to(t, x.shape), template, m),
+                m,
+            ),
+            lambda m: m,
+            model,
+        )
+        ran = state.active
+        active = state.active
+    else:
+        ran = state.active & room
+        active = state.active & ~at_cap
     new_model, frames = voicechat.advance(
         params,
-        state.model,
+        model,
         beat.audio,
         state.key,
         cfg=cfg,
@@ -96,23 +115,8 @@ def tick(
         deterministic=serve.deterministic,
         attention=serve.attention,
     )
-    model = _where_slots(ran, new_model, state.model)
-    active = state.active & ~at_cap
+    model = _where_slots(ran, new_model, model)
     key = state.key
-    if serve.at_cap == "rollover":
-        # Re-seed a session at the cap from the template; it keeps its sampling key and goes on.
-        reseed = at_cap
-        model = jax.lax.cond(
-            jnp.any(reseed),
-            lambda m: _where_slots(
-                reseed,
-                jax.tree_util.tree_map(lambda t, x: jnp.broadcast_to(t, x.shape), template, m),
-                m,
-            ),
-            lambda m: m,
-            model,
-        )
-        active = state.active
     new_state = SessionState(model=model, active=active, key=key)
     out = BeatOutput(frames=frames, ran=ran, active=active, at_cap=at_cap, frame=model.frame)
     return new_state, out

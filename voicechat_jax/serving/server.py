@@ -16,6 +16,7 @@ late) or from any other source that pushes into ``Server.queues``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -82,13 +83,18 @@ class Engine:
         self.serve = serve
         self.precision = precision
         t = time.perf_counter()
-        self.template = voicechat.initial_state(
-            params,
-            cfg=cfg,
-            precision=precision,
-            max_len=serve.context_frames,
-            system_prompt=serve.system_prompt,
+        # Jitted: op by op, the 11B template took ~60 s on an H200, mostly per-op compiles.
+        initial = jax.jit(
+            functools.partial(
+                voicechat.initial_state,
+                cfg=cfg,
+                precision=precision,
+                max_len=serve.context_frames,
+                system_prompt=serve.system_prompt,
+                deterministic=serve.deterministic,
+            )
         )
+        self.template = initial(params)
         jax.block_until_ready(self.template)
         self.template_s = time.perf_counter() - t
         self.state = state_lib.from_template(self.template, serve.slots)
