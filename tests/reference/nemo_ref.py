@@ -190,7 +190,10 @@ def save_release(model, cfg: ModelConfig, directory: str | os.PathLike) -> None:
     release_cfg = getattr(model, "release_cfg", None) or to_release(cfg)[0]
     with open(directory / "config.json", "w") as f:
         json.dump(release_cfg, f, indent=1)
-    tensors = {k: np.ascontiguousarray(v) for k, v in release_state_dict(model).items()}
+    # ascontiguousarray alone would turn a 0-d buffer into shape [1]; the release keeps []
+    tensors = {
+        k: np.ascontiguousarray(v).reshape(v.shape) for k, v in release_state_dict(model).items()
+    }
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
