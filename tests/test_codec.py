@@ -23,6 +23,7 @@ from voicechat_jax.keys import codec as codec_keys
 from voicechat_jax.model import codec
 from voicechat_jax.model.common import count_params
 from voicechat_jax.precision import Precision
+from voicechat_jax.release_config import codec_config
 
 ear = pytest.importorskip("nemo.collections.speechlm2.modules.ear_tts_vae_codec")
 
@@ -40,22 +41,7 @@ def rel_err(a, b) -> float:
 
 def nemo_config(c: CodecConfig) -> DictConfig:
     """The ``codec_config`` ``DuplexEARTTS`` hands to ``RVQVAEModel``."""
-    return DictConfig(
-        {
-            "latent_size": c.latent_size,
-            "n_fft": c.n_fft,
-            "hop_length": c.hop_length,
-            "base_hidden_size": c.base_hidden,
-            "channel_mult": list(c.channel_mult),
-            "rates": list(c.rates),
-            "num_blocks": c.num_blocks,
-            "kernel_size": c.kernel_size,
-            "groups": 1,
-            "codebook_size": c.codebook_size,
-            "num_quantizers": c.n_quantizers,
-            "wav_to_token_ratio": c.samples_per_frame,
-        }
-    )
+    return DictConfig(codec_config(c))
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:

@@ -9,6 +9,7 @@ then ``perception.proj``. Weights reach the port through ``keys.encoder.rules``.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -22,6 +23,7 @@ from voicechat_jax.keys import fill, to_layout
 from voicechat_jax.model import conformer
 from voicechat_jax.model.common import count_params
 from voicechat_jax.precision import Precision
+from voicechat_jax.release_config import to_release
 
 torch = pytest.importorskip("torch")
 
@@ -38,60 +40,13 @@ def _rel(a, b) -> float:
 
 
 def _perception_cfg(enc: EncoderConfig):
-    """The release's perception options (``config.json`` ``perception``) at ``enc``'s sizes."""
+    """The release's perception options (``config.json`` ``perception``) at ``enc``'s sizes,
+    as ``release_config.to_release`` writes them."""
     from omegaconf import OmegaConf
 
-    mel = enc.mel
-    return OmegaConf.create(
-        {
-            "preprocessor": {
-                "_target_": "nemo.collections.asr.modules.AudioToMelSpectrogramPreprocessor",
-                "sample_rate": mel.sample_rate,
-                "normalize": "NA",
-                "window_size": mel.win_length / mel.sample_rate,
-                "window_stride": mel.hop_length / mel.sample_rate,
-                "window": "hann",
-                "features": mel.n_mels,
-                "n_fft": mel.n_fft,
-                "log": True,
-                "frame_splicing": 1,
-                "dither": 1e-5,
-                "pad_to": 0,
-            },
-            "encoder": {
-                "_target_": "nemo.collections.asr.modules.ConformerEncoder",
-                "feat_in": mel.n_mels,
-                "feat_out": -1,
-                "n_layers": enc.n_layers,
-                "d_model": enc.d_model,
-                "use_bias": False,
-                "subsampling": "dw_striding",
-                "subsampling_factor": enc.subsampling_factor,
-                "subsampling_conv_channels": enc.subsampling_channels,
-                "causal_downsampling": True,
-                "ff_expansion_factor": enc.ff_expansion,
-                "self_attention_model": "rel_pos",
-                "n_heads": enc.n_heads,
-                "att_context_size": [enc.att_left_context, 0],
-                "att_context_style": "chunked_limited",
-                "xscaling": enc.xscaling,
-                "untie_biases": True,
-                "pos_emb_max_len": enc.pos_emb_max_len,
-                "conv_kernel_size": enc.conv_kernel,
-                "conv_norm_type": "layer_norm",
-                "conv_context_size": "causal",
-                "dropout": 0.1,
-                "dropout_pre_encoder": 0.1,
-                "dropout_emb": 0.0,
-                "dropout_att": 0.1,
-            },
-            "modality_adapter": {
-                "_target_": "nemo.collections.speechlm2.modules.perception.IdentityConnector",
-                "d_model": enc.d_model,
-            },
-            "output_dim": enc.output_dim,
-        }
-    )
+    base = CFG if enc.output_dim == CFG.llm.d_model else voicechat_11b()
+    release, _ = to_release(dataclasses.replace(base, encoder=enc))
+    return OmegaConf.create(release["model"]["stt"]["model"]["perception"])
 
 
 def _build_nemo(enc: EncoderConfig, seed: int = 0):

@@ -27,6 +27,7 @@ from voicechat_jax.keys import tts as tts_keys
 from voicechat_jax.model import char_encoder, ear_tts, mog
 from voicechat_jax.model.common import count_params
 from voicechat_jax.precision import Precision
+from voicechat_jax.release_config import codec_config
 
 etm = pytest.importorskip("nemo.collections.speechlm2.modules.ear_tts_model")
 
@@ -74,20 +75,7 @@ def nemo_config(cfg: ModelConfig, tokenizer_dir: str, log_dir: str) -> dict:
             "inference_noise_scale": t.noise_scale,
             "inference_top_p_or_k": t.top_p,
             "inference_force_speech_silence_on_eos": True,
-            "codec_config": {
-                "latent_size": c.latent_size,
-                "n_fft": c.n_fft,
-                "hop_length": c.hop_length,
-                "base_hidden_size": c.base_hidden,
-                "channel_mult": list(c.channel_mult),
-                "rates": list(c.rates),
-                "num_blocks": c.num_blocks,
-                "kernel_size": c.kernel_size,
-                "groups": 1,
-                "codebook_size": c.codebook_size,
-                "num_quantizers": c.n_quantizers,
-                "wav_to_token_ratio": c.samples_per_frame,
-            },
+            "codec_config": codec_config(c),
             "tts_config": tts_config(cfg),
         },
     }

@@ -754,20 +754,7 @@ def to_release(cfg: ModelConfig, pretrained_llm: str = NANO_9B_V2) -> tuple[dict
         "inference_top_p_or_k": tts.top_p,
         "inference_noise_scale": tts.noise_scale,
         "inference_force_speech_silence_on_eos": True,
-        "codec_config": {
-            "latent_size": codec.latent_size,
-            "n_fft": codec.n_fft,
-            "hop_length": codec.hop_length,
-            "base_hidden_size": codec.base_hidden,
-            "channel_mult": list(codec.channel_mult),
-            "rates": list(codec.rates),
-            "num_blocks": codec.num_blocks,
-            "kernel_size": codec.kernel_size,
-            "groups": 1,
-            "codebook_size": codec.codebook_size,
-            "num_quantizers": codec.n_quantizers,
-            "wav_to_token_ratio": codec.samples_per_frame,
-        },
+        "codec_config": codec_config(codec),
         "tts_config": tts_config,
     }
     if tts.num_iter != 8:
@@ -830,6 +817,24 @@ def to_release(cfg: ModelConfig, pretrained_llm: str = NANO_9B_V2) -> tuple[dict
         },
     }
     return release, llm_config(cfg)
+
+
+def codec_config(codec: CodecConfig) -> dict:
+    """The release's ``codec_config`` (what ``DuplexEARTTS`` hands to ``RVQVAEModel``)."""
+    return {
+        "latent_size": codec.latent_size,
+        "n_fft": codec.n_fft,
+        "hop_length": codec.hop_length,
+        "base_hidden_size": codec.base_hidden,
+        "channel_mult": list(codec.channel_mult),
+        "rates": list(codec.rates),
+        "num_blocks": codec.num_blocks,
+        "kernel_size": codec.kernel_size,
+        "groups": 1,
+        "codebook_size": codec.codebook_size,
+        "num_quantizers": codec.n_quantizers,
+        "wav_to_token_ratio": codec.samples_per_frame,
+    }
 
 
 def llm_config(cfg: ModelConfig) -> dict:
