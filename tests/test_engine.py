@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import struct
 import wave
 
 import jax
@@ -237,7 +238,17 @@ def _write_wav(path, x, rate=16000, channels=1):
         w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
 
 
-@pytest.mark.parametrize("kind", ["rate", "stereo", "empty"])
+def _write_float_wav(path, x, rate=16000):
+    """A mono IEEE-float WAV (format 3), the kind that can carry NaN samples."""
+    data = np.asarray(x, "<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", len(data)) + data
+    with open(path, "wb") as f:
+        f.write(b"RIFF" + struct.pack("<I", len(body)) + body)
+
+
+@pytest.mark.parametrize("kind", ["rate", "stereo", "empty", "nan"])
 def test_bad_input_file_is_refused_clearly(tmp_path, kind):
     """A bad file fails its session with a clear message; the others' outputs are unchanged."""
     good = tmp_path / "good.wav"
@@ -247,8 +258,12 @@ def test_bad_input_file_is_refused_clearly(tmp_path, kind):
         _write_wav(bad, _speech(1, 51), rate=8000)
     elif kind == "stereo":
         _write_wav(bad, np.repeat(_speech(1, 51), 2), channels=2)
-    else:
+    elif kind == "empty":
         _write_wav(bad, np.zeros(0, np.float32))
+    else:
+        x = _speech(1, 51)
+        x[1000] = np.nan
+        _write_float_wav(bad, x)
     opts = dict(seconds=0.64, clock="offline", loop="dispatch", slots=2, warmup_ticks=0)
     with_bad = runner.run(
         runner.RunOptions(
@@ -256,7 +271,8 @@ def test_bad_input_file_is_refused_clearly(tmp_path, kind):
         )
     )
     message = with_bad.failures["s001"]
-    assert {"rate": "8000", "stereo": "channel", "empty": "empty"}[kind] in message.lower()
+    expected = {"rate": "8000", "stereo": "channel", "empty": "empty", "nan": "nan"}[kind]
+    assert expected in message.lower()
     assert "s001" not in with_bad.outputs
     runner.run(
         runner.RunOptions(
