@@ -300,3 +300,28 @@ def test_frames_jsonl_schema(tmp_path):
     with wave.open(result.outputs["s000"]["wav"]) as w:
         assert w.getframerate() == 22050
         assert w.getnframes() == 6 * 1764
+
+
+def test_churn_run_outputs_match_each_sessions_lifetime(tmp_path):
+    """``--churn``: sessions join and leave at random ticks; each gets 2 frames per live tick."""
+    opts = runner.RunOptions(
+        seconds=1.6,
+        clock="offline",
+        loop="dispatch",
+        slots=3,
+        sessions=5,
+        churn=True,
+        seed=3,
+        output_dir=str(tmp_path),
+        warmup_ticks=0,
+    )
+    result = runner.run(opts)
+    plans, _ = runner.plans_for(opts, 10, runner._load_inputs((), 5))
+    assert len({p.join for p in plans}) > 1
+    for p in plans:
+        if p.id not in result.outputs:
+            assert "server full" in result.failures[p.id]
+            continue
+        with open(result.outputs[p.id]["frames"]) as f:
+            frames = sum(1 for _ in f)
+        assert frames == 2 * ((p.leave or 10) - p.join)
