@@ -26,7 +26,12 @@ flags.DEFINE_integer("frames_per_tick", 2, "Model frames per beat (2 = 160 ms)."
 flags.DEFINE_integer("context_frames", 1500, "Per-session context cap in frames.")
 flags.DEFINE_multi_string("input_wav", None, "16 kHz mono WAV(s); sessions take them in turn.")
 flags.DEFINE_string("output_dir", "runs/serve", "Where per-session outputs and metrics go.")
-flags.DEFINE_enum("loop", "resident", ["resident", "dispatch"], "How the tick is driven.")
+flags.DEFINE_enum(
+    "loop",
+    "dispatch",
+    ["resident", "dispatch"],
+    "How the tick is driven (dispatch had the lighter tail on an H200: experiments/beat_latency).",
+)
 flags.DEFINE_enum("clock", "realtime", ["realtime", "offline"], "Beat clock.")
 flags.DEFINE_enum(
     "speech_sampling", "faithful", ["faithful", "deterministic"], "Speech decoder sampler."

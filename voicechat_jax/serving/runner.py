@@ -36,7 +36,7 @@ class RunOptions:
     context_frames: int = 1500
     input_wavs: tuple[str, ...] = ()
     output_dir: str = "runs/serve"
-    loop: str = "resident"
+    loop: str = "dispatch"
     clock: str = "realtime"
     speech_sampling: str = "faithful"
     churn: bool = False
