@@ -356,6 +356,7 @@ class ServeConfig:
     speech_sampling: str = "faithful"  # 'faithful' (NeMo's sampler) | 'deterministic'
     system_prompt: tuple[int, ...] = ()  # token ids prefilled as [BOS] + ids + [EOS], if any
     attention: str = "xla"  # decode attention implementation: 'xla' | 'cudnn'
+    ssm_kernel: str = "xla"  # LLM Mamba step update: 'xla' (jnp) | 'pallas' (in-place kernel)
     deadline_ms: float | None = None  # default: the beat period
 
     def __post_init__(self):
@@ -368,6 +369,10 @@ class ServeConfig:
             f"speech_sampling must be faithful|deterministic: {self.speech_sampling}",
         )
         _check(self.attention in ("xla", "cudnn"), f"attention must be xla|cudnn: {self.attention}")
+        _check(
+            self.ssm_kernel in ("xla", "pallas"),
+            f"ssm_kernel must be xla|pallas: {self.ssm_kernel}",
+        )
 
     @property
     def beat_ms(self) -> float:

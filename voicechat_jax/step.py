@@ -114,6 +114,7 @@ def tick(
         precision=precision,
         deterministic=serve.deterministic,
         attention=serve.attention,
+        ssm_kernel=serve.ssm_kernel,
     )
     model = _where_slots(ran, new_model, model)
     key = state.key

@@ -28,6 +28,7 @@ flags.DEFINE_integer("warmup_ticks", 5, "Ticks reported apart as warm-up.")
 flags.DEFINE_integer("context_frames", 256, "Context cap in frames (short context).")
 flags.DEFINE_enum("clock", "realtime", ["realtime", "offline"], "Beat clock.")
 flags.DEFINE_string("out", None, "JSON-lines output file.")
+flags.DEFINE_enum("ssm_kernel", "xla", ["xla", "pallas"], "Mamba-2 decode SSM update.")
 
 
 def _speech(n: int, seed: int) -> np.ndarray:
@@ -39,7 +40,10 @@ def _speech(n: int, seed: int) -> np.ndarray:
 
 def measure(params, cfg, precision, sessions: int, loop: str) -> dict:
     serve = config_lib.ServeConfig(
-        slots=sessions, frames_per_tick=2, context_frames=FLAGS.context_frames
+        slots=sessions,
+        frames_per_tick=2,
+        context_frames=FLAGS.context_frames,
+        ssm_kernel=FLAGS.ssm_kernel,
     )
     t = time.perf_counter()
     engine = Engine(params, cfg, serve, precision)
@@ -55,6 +59,7 @@ def measure(params, cfg, precision, sessions: int, loop: str) -> dict:
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "loop": loop,
+        "ssm_kernel": FLAGS.ssm_kernel,
         "sessions": sessions,
         "context_frames": FLAGS.context_frames,
         "clock": FLAGS.clock,

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels.ssm_step import ssm_step
 from voicechat_jax.config import LLMConfig
 from voicechat_jax.model.common import dense, fan_in_normal, normal, rms_norm
 from voicechat_jax.precision import Precision
@@ -55,6 +56,7 @@ F32 = jnp.float32
 # reduced-precision passes (TF32 / bf16) on accelerators.
 _SSM_PRECISION = jax.lax.Precision.HIGHEST
 DEFAULT_CHUNK = 64  # SSD chunk length of ``prefill`` (any value gives the same result)
+SSM_KERNELS = ("xla", "pallas")  # implementations of ``step``'s recurrent SSM update
 
 
 @struct.dataclass
@@ -283,10 +285,13 @@ def _gated_norm(y: jax.Array, z: jax.Array, w: jax.Array, cfg: LLMConfig) -> jax
     return w.astype(act) * g.reshape(*lead, -1).astype(act)
 
 
-def _mamba_step(p: MambaParams, j: int, h, conv, ssm, cfg: LLMConfig):
+def _mamba_step(p: MambaParams, j: int, h, conv, ssm, cfg: LLMConfig, ssm_kernel: str = "xla"):
     """One frame of Mamba layer j (``mamba2_selective_state_update``).
 
-    h [B, D] normed input; conv [B, k-1, C]; ssm [B, N, H, P]. Returns (conv, ssm, out [B, D]).
+    h [B, D] normed input; conv [B, k-1, C] layer j's conv state; ssm [B, L_m, N, H, P] the
+    stacked SSM state, of which layer j is updated. ``ssm_kernel`` picks the recurrent update:
+    'xla' (the jnp below) or 'pallas' (``pallas_kernels.ssm_step``, the stacked state updated in
+    place). Returns (conv, ssm, out [B, D]).
     """
     act = h.dtype
     B = h.shape[0]
@@ -297,16 +302,42 @@ def _mamba_step(p: MambaParams, j: int, h, conv, ssm, cfg: LLMConfig):
     x, b, c = _split_xbc(xbc, cfg)  # [B, K, G, H], [B, K, P], [B, K, P]
     dt, A = _ssm_coeffs(p, j, dt_raw, cfg)  # [B, K, G], [K, G]
     K, G = A.shape
-    s = ssm.astype(F32).reshape(B, K, G, cfg.mamba_head_dim, cfg.ssm_state)
-    s = s * jnp.exp(dt * A)[..., None, None] + jnp.einsum(
-        "bkg,bkgh,bkp->bkghp", dt, x, b, precision=_SSM_PRECISION
-    )
-    y = jnp.einsum("bkghp,bkp->bkgh", s, c, precision=_SSM_PRECISION)
-    y = y + p.D[j].astype(F32).reshape(K, G)[..., None] * x
+    if ssm_kernel == "pallas":
+        ssm, y = _ssm_update_pallas(ssm, j, x, dt, A, b, c, p.D[j])
+    else:
+        s = ssm[:, j].astype(F32).reshape(B, K, G, cfg.mamba_head_dim, cfg.ssm_state)
+        s = s * jnp.exp(dt * A)[..., None, None] + jnp.einsum(
+            "bkg,bkgh,bkp->bkghp", dt, x, b, precision=_SSM_PRECISION
+        )
+        y = jnp.einsum("bkghp,bkp->bkgh", s, c, precision=_SSM_PRECISION)
+        y = y + p.D[j].astype(F32).reshape(K, G)[..., None] * x
+        ssm = ssm.at[:, j].set(s.reshape(ssm[:, j].shape).astype(ssm.dtype))
     y = _gated_norm(y.reshape(B, -1).astype(act), z, p.gate_norm[j], cfg)
     out = dense(y, p.out_proj[j])
-    new_ssm = s.reshape(ssm.shape).astype(ssm.dtype)
-    return window[:, 1:].astype(conv.dtype), new_ssm, out
+    return window[:, 1:].astype(conv.dtype), ssm, out
+
+
+def _ssm_update_pallas(ssm, j: int, x, dt, A, b, c, D):
+    """Layer j's recurrent update through the Pallas kernel, in place in the stacked state.
+
+    ssm [B, L_m, N, H, P]; x [B, K, G, H] and dt [B, K, G] fp32; A [K, G]; b, c [B, K, P];
+    D [N]. Returns (ssm, y [B, K, G, H] fp32). On the CPU the kernel runs in the Pallas
+    interpreter (``jax.default_backend() == 'cpu'``, decided at trace time): there is no CPU
+    lowering, and the CPU tests compare this path against the jnp one.
+    """
+    Bsz, K, G, H = x.shape
+    ssm, y = ssm_step(
+        ssm,
+        x.reshape(Bsz, K * G, H),
+        dt.reshape(Bsz, K * G),
+        A.reshape(K * G),
+        b,
+        c,
+        D.astype(F32),
+        layer=j,
+        interpret=jax.default_backend() == "cpu",
+    )
+    return ssm, y.reshape(Bsz, K, G, H)
 
 
 def _segsum(a: jax.Array) -> jax.Array:
@@ -514,7 +545,12 @@ def prefill(
 
 
 def step(
-    params: NanoParams, state: NanoState, embeds: jax.Array, *, cfg: LLMConfig
+    params: NanoParams,
+    state: NanoState,
+    embeds: jax.Array,
+    *,
+    cfg: LLMConfig,
+    ssm_kernel: str = "xla",
 ) -> tuple[NanoState, jax.Array]:
     """Advance every slot by one frame (the recurrent path).
 
@@ -524,10 +560,14 @@ def step(
         past the cache is not stored.
       embeds: [B, D] this frame's LLM input (``input_embedding``), any float dtype.
       cfg: the LLM config (static).
+      ssm_kernel: the Mamba recurrent update (static): 'xla' (jnp) or 'pallas' (the
+        ``pallas_kernels.ssm_step`` kernel, state updated in place; interpreted on the CPU).
 
     Returns:
       The new state (``length + 1``) and the final hidden state (after ``norm_f``) [B, D], fp32.
     """
+    if ssm_kernel not in SSM_KERNELS:
+        raise ValueError(f"ssm_kernel must be one of {SSM_KERNELS}: {ssm_kernel!r}")
     Bsz = embeds.shape[0]
     act = params.embed.dtype
     pos = state.length
@@ -537,8 +577,8 @@ def step(
     for kind, j in _layer_slots(cfg):
         if kind == "M":
             h = _block_norm(params.mamba.norm[j], x, act, cfg)
-            c_j, s_j, out = _mamba_step(params.mamba, j, h, conv[:, j], ssm[:, j], cfg)
-            conv, ssm = conv.at[:, j].set(c_j), ssm.at[:, j].set(s_j)
+            c_j, ssm, out = _mamba_step(params.mamba, j, h, conv[:, j], ssm, cfg, ssm_kernel)
+            conv = conv.at[:, j].set(c_j)
         elif kind == "-":
             out = _mlp(params.mlp, j, _block_norm(params.mlp.norm[j], x, act, cfg))
         else:

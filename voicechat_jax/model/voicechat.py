@@ -105,10 +105,15 @@ class FrameOutputs:
     n_transcript: jax.Array  # [B, T] int32
 
 
-def listen_frame(params: ModelParams, llm_state, text_prev, func_prev, audio_proj, *, cfg):
-    """One LLM frame: input sum, Nano step, greedy heads (``DuplexSTTStreamingInference``)."""
+def listen_frame(
+    params: ModelParams, llm_state, text_prev, func_prev, audio_proj, *, cfg, ssm_kernel="xla"
+):
+    """One LLM frame: input sum, Nano step, greedy heads (``DuplexSTTStreamingInference``).
+
+    ``ssm_kernel`` ('xla' | 'pallas', static) picks the Mamba step update (``nano.step``).
+    """
     e = nano.input_embedding(params.llm, text_prev, func_prev, audio_proj, cfg=cfg.llm)
-    llm_state, h = nano.step(params.llm, llm_state, e, cfg=cfg.llm)
+    llm_state, h = nano.step(params.llm, llm_state, e, cfg=cfg.llm, ssm_kernel=ssm_kernel)
     text, func = nano.greedy(params.llm, h)
     return llm_state, text, func, h
 
@@ -123,6 +128,7 @@ def advance(
     precision: Precision,
     deterministic: bool,
     attention: str = "xla",
+    ssm_kernel: str = "xla",
 ) -> tuple[FrameState, FrameOutputs]:
     """Advance every row by ``T = audio.shape[1] // 1280`` frames.
 
@@ -130,6 +136,7 @@ def advance(
       audio: [B, T * 1280] float32 at 16 kHz.
       key: [B, 2] uint32 per-session sampling keys; frame ``n`` of a session samples with
         ``fold_in(key, n)``, so a session's output never depends on its neighbours.
+      ssm_kernel: the LLM's Mamba step update, 'xla' | 'pallas' (``ServeConfig.ssm_kernel``).
     """
     del attention  # one implementation for now; the switch lives in ServeConfig
     enc_state, enc, proj = conformer.encoder_step(
@@ -143,7 +150,7 @@ def advance(
         llm_state, tts_state, text_prev, func_prev, frame = carry
         a_t = xs
         llm_state, text, func, _ = listen_frame(
-            params, llm_state, text_prev, func_prev, a_t, cfg=cfg
+            params, llm_state, text_prev, func_prev, a_t, cfg=cfg, ssm_kernel=ssm_kernel
         )
         frame_keys = None if deterministic else _frame_keys(key, frame)
         tts_state, codes, dec_codes = ear_tts.tts_step(
