@@ -148,14 +148,6 @@ def resident_loop(
     on the host through ordered ``io_callback``s: the device waits for them, and they never call
     JAX.
     """
-    out_struct = jax.eval_shape(
-        functools.partial(tick, cfg=cfg, serve=serve, precision=precision),
-        params,
-        state,
-        template,
-        first_beat,
-    )[1]
-    out_leaves, out_tree = jax.tree_util.tree_flatten(out_struct)
     beat_struct = (
         jax.ShapeDtypeStruct(first_beat.audio.shape, jnp.float32),
         jax.ShapeDtypeStruct(first_beat.admit.shape, jnp.bool_),
@@ -163,7 +155,6 @@ def resident_loop(
         jax.ShapeDtypeStruct(first_beat.key.shape, jnp.uint32),
         jax.ShapeDtypeStruct((), jnp.bool_),
     )
-    del out_leaves, out_tree
 
     def deliver_host(k, *leaves):
         deliver(int(k), *leaves)
