@@ -46,14 +46,15 @@ def test_readme_command_runs_the_embedded_default(tmp_path):
     _check_outputs(str(tmp_path / "runs" / "serve"), sessions=4, ticks=62)
 
 
-@pytest.mark.parametrize("loop", ["dispatch", "resident"])
-def test_flags(tmp_path, loop):
+@pytest.mark.parametrize(("loop", "ssm_kernel"), [("dispatch", "pallas"), ("resident", "xla")])
+def test_flags(tmp_path, loop, ssm_kernel):
     out = tmp_path / "out"
     cmd = [
         sys.executable,
         "-m",
         "voicechat_jax.serve",
         f"--loop={loop}",
+        f"--ssm_kernel={ssm_kernel}",
         "--clock=offline",
         "--speech_sampling=deterministic",
         "--slots=2",

@@ -40,6 +40,9 @@ flags.DEFINE_bool("churn", False, "Sessions join and leave at random times.")
 flags.DEFINE_integer("seed", 0, "Seed for random weights, churn and sampling keys.")
 flags.DEFINE_enum("precision", "reference", ["reference", "fp32"], "Dtype policy.")
 flags.DEFINE_integer("warmup_ticks", 3, "Ticks reported as warm-up, apart from steady state.")
+flags.DEFINE_enum(
+    "ssm_kernel", "xla", ["xla", "pallas"], "Mamba-2 decode SSM update (pallas: in place)."
+)
 
 
 def main(argv: list[str]) -> None:
@@ -61,6 +64,7 @@ def main(argv: list[str]) -> None:
         seed=FLAGS.seed,
         precision=FLAGS.precision,
         warmup_ticks=FLAGS.warmup_ticks,
+        ssm_kernel=FLAGS.ssm_kernel,
     )
     logging.info("serving with %s", options)
     result = runner.run(options)

@@ -44,6 +44,7 @@ class RunOptions:
     precision: str = "reference"
     warmup_ticks: int = 3
     checkpoint: str | None = None
+    ssm_kernel: str = "xla"
 
 
 @dataclasses.dataclass
@@ -115,6 +116,7 @@ def build(options: RunOptions):
         frames_per_tick=options.frames_per_tick,
         context_frames=options.context_frames,
         speech_sampling=options.speech_sampling,
+        ssm_kernel=options.ssm_kernel,
     )
     return cfg, params, serve, precision, tokenizer
 
