@@ -325,3 +325,21 @@ def test_churn_run_outputs_match_each_sessions_lifetime(tmp_path):
         with open(result.outputs[p.id]["frames"]) as f:
             frames = sum(1 for _ in f)
         assert frames == 2 * ((p.leave or 10) - p.join)
+
+
+def test_vanished_client_fails_alone(engine):
+    """A client that stops sending is failed after ``vanish_beats`` silent beats; others go on."""
+    good = [SessionPlan(id=f"v{i}", audio=_speech(2, 60 + i)) for i in range(2)]
+    gone = SessionPlan(id="gone", audio=_speech(2, 62), vanish=2)
+    engine.reset()
+    server = Server(
+        engine, clock="offline", loop="dispatch", warmup_ticks=0, seed=7, vanish_beats=3
+    )
+    server.run([*good, gone], 9)
+    assert server.failures["gone"] == "client vanished: no audio for 3 beats"
+    assert server.ended["gone"].startswith("failed: client vanished")
+    # beats 0-1 had audio; 2-4 were silent (the third silent beat fails it); released before 5
+    assert server.logs["gone"].arrays()["text"].size == 2 * 5
+    alone = _serve(engine, good, 9)
+    for p in good:
+        _same(_out(server, p.id), _out(alone, p.id))

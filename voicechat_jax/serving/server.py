@@ -51,6 +51,7 @@ class SessionPlan:
     join: int = 0
     leave: int | None = None  # released before this tick; None: stays to the end of the run
     late: frozenset[int] = frozenset()  # beats whose audio arrives one tick late
+    vanish: int | None = None  # the client stops sending at this beat of its session (tests)
     source: str = ""
 
 
@@ -160,7 +161,13 @@ class Server:
         warmup_ticks: int = 2,
         metrics_sink=None,
         max_backlog_beats: int | None = 4,
+        vanish_beats: int | None = 25,
     ):
+        """Args (beyond the engine and the loop):
+        vanish_beats: a live session that delivers no audio at all for this many consecutive
+          beats (4 s at the default beat) is taken for a vanished client: it fails with that
+          message and its slot is freed. None never ends a silent session.
+        """
         if loop not in LOOPS:
             raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
         serve = engine.serve
@@ -182,6 +189,8 @@ class Server:
         self._snapshots: dict[int, tuple[list, list, float]] = {}
         self._plans: list[SessionPlan] = []
         self._late_buffer: dict[Hashable, list[np.ndarray]] = {}
+        self.vanish_beats = vanish_beats
+        self._silent: dict[Hashable, int] = {}  # consecutive beats with no input at all
 
     # ---- host beat preparation -------------------------------------------------------------
 
@@ -239,6 +248,8 @@ class Server:
                 joined = self.slots.session(plan.id).admitted_tick
             except KeyError:
                 continue
+            if plan.vanish is not None and k - joined >= plan.vanish:
+                continue
             chunk = self._beat_audio(plan, k, joined)
             held = self._late_buffer.setdefault(plan.id, [])
             try:
@@ -250,8 +261,14 @@ class Server:
                     held.clear()
             except audio_lib.AudioInputError as e:
                 logging.warning("session %s failed: %s", plan.id, e)
-        audio, underrun = self.queues.take_beat(self.slots.slot_sessions())
         live = self.slots.slot_sessions()
+        silent = {sid: self.queues.backlog(sid) == 0 for sid in live if sid is not None}
+        audio, underrun = self.queues.take_beat(live)
+        for sid, nothing in silent.items():
+            self._silent[sid] = self._silent.get(sid, 0) + 1 if nothing else 0
+            if self.vanish_beats is not None and self._silent[sid] >= self.vanish_beats:
+                # Fail it now; the next beat's membership step releases it.
+                self.queues.fail(sid, f"client vanished: no audio for {self._silent[sid]} beats")
         self._snapshots[k] = (live, [live[b] for b in range(B) if underrun[b]], 0.0)
         return state_lib.BeatInput(audio=audio, admit=admit, release=release, key=keys)
 
