@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pallas_kernels.ssm_step import ssm_step
+from pallas_kernels.ssm_step import ssm_step, ssm_step_reference
 from voicechat_jax.config import LLMConfig
 from voicechat_jax.model.common import dense, fan_in_normal, normal, rms_norm
 from voicechat_jax.precision import Precision
@@ -301,20 +301,23 @@ def _mamba_step(p: MambaParams, j: int, h, conv, ssm, cfg: LLMConfig, ssm_kernel
     xbc = jax.nn.silu(xbc).astype(act)
     x, b, c = _split_xbc(xbc, cfg)  # [B, K, G, H], [B, K, P], [B, K, P]
     dt, A = _ssm_coeffs(p, j, dt_raw, cfg)  # [B, K, G], [K, G]
-    K, G = A.shape
-    if ssm_kernel == "pallas":
-        ssm, y = _ssm_update_pallas(ssm, j, x, dt, A, b, c, p.D[j])
-    else:
-        s = ssm[:, j].astype(F32).reshape(B, K, G, cfg.mamba_head_dim, cfg.ssm_state)
-        s = s * jnp.exp(dt * A)[..., None, None] + jnp.einsum(
-            "bkg,bkgh,bkp->bkghp", dt, x, b, precision=_SSM_PRECISION
-        )
-        y = jnp.einsum("bkghp,bkp->bkgh", s, c, precision=_SSM_PRECISION)
-        y = y + p.D[j].astype(F32).reshape(K, G)[..., None] * x
-        ssm = ssm.at[:, j].set(s.reshape(ssm[:, j].shape).astype(ssm.dtype))
+    update = _ssm_update_pallas if ssm_kernel == "pallas" else _ssm_update_xla
+    ssm, y = update(ssm, j, x, dt, A, b, c, p.D[j])
     y = _gated_norm(y.reshape(B, -1).astype(act), z, p.gate_norm[j], cfg)
     out = dense(y, p.out_proj[j])
     return window[:, 1:].astype(conv.dtype), ssm, out
+
+
+def _ssm_update_xla(ssm, j: int, x, dt, A, b, c, D):
+    """Layer j's recurrent update in jnp (``ssm_step_reference``; XLA writes layer j back).
+
+    Shapes as ``_ssm_update_pallas``.
+    """
+    Bsz, K, G, H = x.shape
+    ssm, y = ssm_step_reference(
+        ssm, x.reshape(Bsz, K * G, H), dt.reshape(Bsz, K * G), A.reshape(K * G), b, c, D, layer=j
+    )
+    return ssm, y.reshape(Bsz, K, G, H)
 
 
 def _ssm_update_pallas(ssm, j: int, x, dt, A, b, c, D):
