@@ -41,11 +41,16 @@ def _where_slots(mask: jax.Array, new, old):
     return jax.tree_util.tree_map(sel, new, old)
 
 
+def _reseed(mask: jax.Array, template: voicechat.FrameState, model: voicechat.FrameState):
+    """The slots in ``mask`` set to the fresh-session template ([1, ...] leaves), others kept."""
+    fresh = jax.tree_util.tree_map(lambda t, x: jnp.broadcast_to(t, x.shape), template, model)
+    return _where_slots(mask, fresh, model)
+
+
 def _admit(state: SessionState, template: voicechat.FrameState, admit, key) -> SessionState:
     """Copy the template into the admitted slots and give them their sampling keys."""
-    fresh = jax.tree_util.tree_map(lambda t, x: jnp.broadcast_to(t, x.shape), template, state.model)
     return SessionState(
-        model=_where_slots(admit, fresh, state.model),
+        model=_reseed(admit, template, state.model),
         active=state.active | admit,
         key=jnp.where(admit[:, None], key, state.key),
     )
@@ -91,14 +96,7 @@ def tick(
         # Re-seed a session at the cap from the template before its beat; it keeps its sampling
         # key and loses no audio.
         model = jax.lax.cond(
-            jnp.any(at_cap),
-            lambda m: _where_slots(
-                at_cap,
-                jax.tree_util.tree_map(lambda t, x: jnp.broadcast_to(t, x.shape), template, m),
-                m,
-            ),
-            lambda m: m,
-            model,
+            jnp.any(at_cap), lambda m: _reseed(at_cap, template, m), lambda m: m, model
         )
         ran = state.active
         active = state.active
@@ -144,9 +142,8 @@ def resident_loop(
     """Run ticks on the device until the host says stop; returns the final state.
 
     ``next_beat(k) -> (audio, admit, release, key, stop)`` (NumPy) gives beat k+1's input;
-    ``deliver(k, out_leaves...)`` receives beat k's ``BeatOutput`` leaves as NumPy arrays. Both run
-    on the host through ordered ``io_callback``s: the device waits for them, and they never call
-    JAX.
+    ``deliver(k, out)`` receives beat k's ``BeatOutput`` with NumPy leaves. Both run on the host
+    through ordered ``io_callback``s: the device waits for them, and they never call JAX.
     """
     beat_struct = (
         jax.ShapeDtypeStruct(first_beat.audio.shape, jnp.float32),
@@ -156,19 +153,17 @@ def resident_loop(
         jax.ShapeDtypeStruct((), jnp.bool_),
     )
 
-    def deliver_host(k, *leaves):
-        deliver(int(k), *leaves)
-        return np.zeros((), np.int32)
-
     def body(carry):
         k, s, beat, _ = carry
         s, out = tick(params, s, template, beat, cfg=cfg, serve=serve, precision=precision)
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+
+        def deliver_host(kk, *host_leaves):
+            deliver(int(kk), jax.tree_util.tree_unflatten(treedef, host_leaves))
+            return np.zeros((), np.int32)
+
         token = io_callback(
-            deliver_host,
-            jax.ShapeDtypeStruct((), jnp.int32),
-            k,
-            *jax.tree_util.tree_leaves(out),
-            ordered=True,
+            deliver_host, jax.ShapeDtypeStruct((), jnp.int32), k, *leaves, ordered=True
         )
         audio, admit, release, key, stop = io_callback(
             lambda kk, _tok: next_beat(int(kk)), beat_struct, k, token, ordered=True

@@ -235,13 +235,11 @@ def initial_state(
         e = nano.input_embedding(params.llm, pads, pads, prompt, cfg=cfg.llm)
         llm_state, _ = nano.prefill(params.llm, llm_state, e, cfg=cfg.llm)
 
+        template_key = jnp.asarray([[0, TEMPLATE_KEY]], jnp.uint32)  # [1, 2] raw key data
+
         def prompt_frame(carry, n):
             tts_s, codec_s = carry
-            keys = (
-                None
-                if deterministic
-                else _frame_keys(jnp.zeros((1, 2), jnp.uint32).at[:, 1].set(TEMPLATE_KEY), n[None])
-            )
+            keys = None if deterministic else _frame_keys(template_key, n[None])
             tts_s, _, dec = ear_tts.tts_step(
                 params.tts, tts_s, pad, keys, cfg=cfg, deterministic=deterministic
             )

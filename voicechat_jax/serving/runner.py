@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
 
 import jax
 import numpy as np
 from absl import logging
 
 from voicechat_jax import config as config_lib
+from voicechat_jax import step as step_lib
 from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import audio as audio_lib
@@ -121,16 +121,13 @@ def build(options: RunOptions):
     return cfg, params, serve, precision, tokenizer
 
 
-def run(options: RunOptions, *, progress: Callable[[int], None] | None = None) -> RunResult:
+def run(options: RunOptions) -> RunResult:
     """Serves the scripted sessions of ``options`` and writes their outputs."""
-    del progress
     cfg, params, serve, precision, tokenizer = build(options)
     n_ticks = max(1, round(options.seconds * 1000.0 / serve.beat_ms))
     inputs = _load_inputs(options.input_wavs, options.sessions)
     plans, failures = plans_for(options, n_ticks, inputs)
     os.makedirs(options.output_dir, exist_ok=True)
-    from voicechat_jax import step as step_lib
-
     traces0 = step_lib.TRACE_COUNT["tick"]
     engine = Engine(params, cfg, serve, precision)
     with open(os.path.join(options.output_dir, "metrics.jsonl"), "w") as sink:

@@ -37,7 +37,13 @@ from voicechat_jax.precision import Precision
 from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving.clock import BeatClock
 from voicechat_jax.serving.metrics import MetricsRecorder
-from voicechat_jax.serving.sessions import CapacityError, InputQueues, SlotTable
+from voicechat_jax.serving.sessions import (
+    CapacityError,
+    InputQueues,
+    Session,
+    SessionOutput,
+    SlotTable,
+)
 
 LOOPS = ("resident", "dispatch")
 
@@ -53,26 +59,6 @@ class SessionPlan:
     late: frozenset[int] = frozenset()  # beats whose audio arrives one tick late
     vanish: int | None = None  # the client stops sending at this beat of its session (tests)
     source: str = ""
-
-
-@dataclasses.dataclass
-class FrameLog:
-    """One session's per-frame outputs (host side)."""
-
-    text: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks [T]
-    function: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks [T]
-    codes: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks [T, Q]
-    transcript: list[list[int]] = dataclasses.field(default_factory=list)  # per frame
-    wav: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks [T * 1764]
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        cat = lambda xs, shape: np.concatenate(xs) if xs else np.zeros(shape)  # noqa: E731
-        return {
-            "text": cat(self.text, (0,)).astype(np.int32),
-            "function": cat(self.function, (0,)).astype(np.int32),
-            "codes": cat(self.codes, (0, 0)).astype(np.int32),
-            "wav": cat(self.wav, (0,)).astype(np.float32),
-        }
 
 
 class Engine:
@@ -126,12 +112,16 @@ class Engine:
         self.state, out = self.compile_tick()(self.params, self.state, self.template, beat)
         return out
 
-    def run_resident(self, first_beat, next_beat, deliver) -> None:
-        """Runs the whole serving run as one on-device loop (compiled here, timed apart)."""
+    def compile_resident(self, next_beat, deliver):
+        """Compiles the resident loop bound to these host callbacks; returns the executable."""
         t = time.perf_counter()
         fn = step_lib.make_resident(self.cfg, self.serve, self.precision, next_beat, deliver)
-        compiled = fn.lower(self.params, self.state, self.template, first_beat).compile()
+        compiled = fn.lower(self.params, self.state, self.template, self.empty_beat()).compile()
         self.compile_s = time.perf_counter() - t
+        return compiled
+
+    def run_resident(self, compiled, first_beat: state_lib.BeatInput) -> None:
+        """Runs the whole serving run as one on-device loop; the state is donated and replaced."""
         self.state = compiled(self.params, self.state, self.template, first_beat)
         jax.block_until_ready(self.state)
 
@@ -182,11 +172,12 @@ class Server:
             serve.slots, engine.samples_per_beat, max_backlog_beats=max_backlog_beats
         )
         self.metrics = MetricsRecorder(warmup_ticks, sink=metrics_sink)
-        self.logs: dict[Hashable, FrameLog] = {}
+        self.logs: dict[Hashable, SessionOutput] = {}  # every admitted session's output
+        self._records: dict[Hashable, Session] = {}  # kept after release: late beats collect
         self.failures: dict[Hashable, str] = {}
         self.ended: dict[Hashable, str] = {}  # session -> why it ended (left, failed, context cap)
         self._pending_release: dict[int, Hashable] = {}
-        self._snapshots: dict[int, tuple[list, list, float]] = {}
+        self._snapshots: dict[int, tuple[list, list]] = {}  # tick -> slot ids, underrun ids
         self._plans: list[SessionPlan] = []
         self._late_buffer: dict[Hashable, list[np.ndarray]] = {}
         self.vanish_beats = vanish_beats
@@ -237,7 +228,9 @@ class Server:
             admit[slot] = True
             release[slot] = False
             keys[slot] = session_key(self.seed, plan.id)
-            self.logs[plan.id] = FrameLog()
+            session = self.slots.session(plan.id)
+            self._records[plan.id] = session
+            self.logs[plan.id] = session.output
         for event in self.slots.drain_events():
             self.metrics.record_event(**event)
         # Scripted clients push this beat's audio (late beats arrive with the next one).
@@ -269,7 +262,7 @@ class Server:
             if self.vanish_beats is not None and self._silent[sid] >= self.vanish_beats:
                 # Fail it now; the next beat's membership step releases it.
                 self.queues.fail(sid, f"client vanished: no audio for {self._silent[sid]} beats")
-        self._snapshots[k] = (live, [live[b] for b in range(B) if underrun[b]], 0.0)
+        self._snapshots[k] = (live, [live[b] for b in range(B) if underrun[b]])
         return state_lib.BeatInput(audio=audio, admit=admit, release=release, key=keys)
 
     # ---- host output collection ------------------------------------------------------------
@@ -277,21 +270,24 @@ class Server:
     def collect(self, k: int, out, start: float, deadline: float) -> None:
         """Takes beat k's outputs (NumPy leaves) into each session's log and the metrics."""
         readable = time.monotonic()
-        live, underruns, _ = self._snapshots.pop(k)
+        live, underruns = self._snapshots.pop(k)
         frames = out.frames
         for b, sid in enumerate(live):
             if sid is None or not out.ran[b]:
                 if sid is not None and out.at_cap[b] and self.engine.serve.at_cap == "end":
                     self._pending_release[b] = sid
                 continue
-            log = self.logs[sid]
-            log.text.append(np.asarray(frames.text[b]))
-            log.function.append(np.asarray(frames.function[b]))
-            log.codes.append(np.asarray(frames.codes[b]))
-            log.wav.append(np.asarray(frames.wav[b]))
-            for t in range(frames.text.shape[1]):
-                n = int(frames.n_transcript[b, t])
-                log.transcript.append([int(x) for x in frames.transcript[b, t, :n]])
+            T = frames.text.shape[1]
+            self._records[sid].collect(
+                T,
+                wav=frames.wav[b],
+                tokens=np.stack([frames.text[b], frames.function[b]], axis=-1),
+                codes=frames.codes[b],
+                transcript=[
+                    [int(x) for x in frames.transcript[b, t, : int(frames.n_transcript[b, t])]]
+                    for t in range(T)
+                ],
+            )
         self.metrics.record(
             k,
             start,
@@ -360,7 +356,7 @@ class Server:
             nk = self.clock.next_tick(ticks[-1])
             stop = nk >= n_ticks
             if stop:
-                beat = jax.tree_util.tree_map(np.asarray, self.engine.empty_beat())
+                beat = self.engine.empty_beat()
             else:
                 timing = self.clock.wait_for_tick(nk)
                 self._record_skipped(ticks[-1], nk)
@@ -375,49 +371,22 @@ class Server:
                 np.asarray(stop, np.bool_),
             )
 
-        def deliver(i: int, *leaves):
-            out = jax.tree_util.tree_unflatten(out_tree, leaves)
+        def deliver(i: int, out):
             k = ticks[i]
             self.collect(k, out, *timings.pop(k))
 
-        first_struct = self.engine.empty_beat()
-        out_tree = jax.tree_util.tree_structure(
-            jax.eval_shape(
-                lambda s, b: step_lib.tick(
-                    self.engine.params,
-                    s,
-                    self.engine.template,
-                    b,
-                    cfg=self.engine.cfg,
-                    serve=self.engine.serve,
-                    precision=self.engine.precision,
-                )[1],
-                self.engine.state,
-                first_struct,
-            )
-        )
         # Compile before the clock starts, so that compile time is not a late first beat.
-        fn = step_lib.make_resident(
-            self.engine.cfg, self.engine.serve, self.engine.precision, next_beat, deliver
-        )
-        t = time.perf_counter()
-        compiled = fn.lower(
-            self.engine.params, self.engine.state, self.engine.template, first_struct
-        ).compile()
-        self.metrics.record_compile("resident_loop", time.perf_counter() - t)
+        compiled = self.engine.compile_resident(next_beat, deliver)
+        self.metrics.record_compile("resident_loop", self.engine.compile_s)
         self.clock.begin()
         timing = self.clock.wait_for_tick(0)
         timings[0] = (timing.start, timing.deadline)
         ticks.append(0)
-        first = self.prepare(0)
-        self.engine.state = compiled(
-            self.engine.params, self.engine.state, self.engine.template, first
-        )
-        jax.block_until_ready(self.engine.state)
+        self.engine.run_resident(compiled, self.prepare(0))
 
 
 def write_session_outputs(
-    out_dir: str, sid: Hashable, log: FrameLog, *, sample_rate: int, tokenizer=None
+    out_dir: str, sid: Hashable, log: SessionOutput, *, sample_rate: int, tokenizer=None
 ) -> dict[str, str]:
     """Writes ``output.wav``, ``frames.jsonl`` and (with a tokenizer) ``transcript.txt``."""
     d = os.path.join(out_dir, str(sid))

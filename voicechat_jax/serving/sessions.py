@@ -55,6 +55,7 @@ class SessionOutput:
     wav: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks, each [n] float32
     tokens: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks, each [T, ...]
     codes: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks, each [T, Q]
+    transcript: list[list[int]] = dataclasses.field(default_factory=list)  # per frame, RNNT ids
 
     def append(
         self,
@@ -62,6 +63,7 @@ class SessionOutput:
         wav: np.ndarray | None = None,
         tokens: np.ndarray | None = None,
         codes: np.ndarray | None = None,
+        transcript: list[list[int]] | None = None,
     ) -> None:
         if not self.keep_audio:
             return
@@ -71,6 +73,8 @@ class SessionOutput:
             self.tokens.append(np.asarray(tokens))
         if codes is not None:
             self.codes.append(np.asarray(codes))
+        if transcript is not None:
+            self.transcript.extend(transcript)
 
     def audio(self) -> np.ndarray:
         """All output audio, float32 [n]."""
@@ -83,6 +87,17 @@ class SessionOutput:
     def code_array(self) -> np.ndarray:
         """Per-frame codes, [T, Q]."""
         return np.concatenate(self.codes) if self.codes else np.zeros((0, 0), np.int32)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The server's per-frame outputs: ``text``, ``function`` [T] (its tokens are collected as
+        [T, 2] rows of text and function id), ``codes`` [T, Q] int32 and ``wav`` [n] float32."""
+        tokens = np.concatenate(self.tokens) if self.tokens else np.zeros((0, 2), np.int32)
+        return {
+            "text": tokens[:, 0].astype(np.int32),
+            "function": tokens[:, 1].astype(np.int32),
+            "codes": self.code_array().astype(np.int32),
+            "wav": self.audio(),
+        }
 
 
 @dataclasses.dataclass
@@ -107,10 +122,12 @@ class Session:
         wav: np.ndarray | None = None,
         tokens: np.ndarray | None = None,
         codes: np.ndarray | None = None,
+        transcript: list[list[int]] | None = None,
     ) -> None:
-        """Adds ``frames`` model frames of output (wav [n], tokens [T, ...], codes [T, Q])."""
+        """Adds ``frames`` model frames of output (wav [n], tokens [T, ...], codes [T, Q],
+        transcript: T lists of ids)."""
         self.frames_out += frames
-        self.output.append(wav=wav, tokens=tokens, codes=codes)
+        self.output.append(wav=wav, tokens=tokens, codes=codes, transcript=transcript)
 
 
 # ---------------------------------------------------------------------------------------------
