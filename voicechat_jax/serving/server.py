@@ -1,8 +1,9 @@
 """A serving run: an ``Engine`` (device side) driven on the beat clock by a ``Server`` (host).
 
 ``Engine`` (``voicechat_jax.engine``) holds the parameters, the fresh-session template, the slot
-state and the compiled tick. ``Server`` owns the clock, the slot table, the per-session input queues, the metrics and each
-session's collected output, and drives the engine in one of two loops with identical outputs:
+state and the compiled tick. ``Server`` owns the clock, the slot table, the per-session input
+queues, the metrics and each session's collected output, and drives the engine in one of two loops
+with identical outputs:
 
 - ``resident``: one jitted ``lax.while_loop`` for the whole run (``step.resident_loop``); the
   device calls back to the host for each beat's input and hands each beat's output back.
