@@ -459,14 +459,15 @@ def test_warmup_cache_matches_nemo(cfg, warm_state, nemo_run):
     """The prefill's keys/values of every layer (global layers whole, sliding ones as HF keeps)."""
     _, warm, _ = nemo_run
     P = cfg.tts.prompt_frames
-    ours_k, ours_v = np.asarray(warm_state.k), np.asarray(warm_state.v)  # [B, 2, L, S, K, H]
+    ours_k = np.stack([np.asarray(a) for a in warm_state.k], axis=2)  # [B, 2, L, K, S, H]
+    ours_v = np.stack([np.asarray(a) for a in warm_state.v], axis=2)
     assert np.all(np.asarray(warm_state.pos) == P)
     for l, (k_ref, v_ref) in enumerate(warm):  # [2B, K, S_l, H], rows cond then uncond
         kept = k_ref.shape[2]
         for row in range(2):
             for b in range(B):
-                k = ours_k[b, row, l, P - kept : P].transpose(1, 0, 2)
-                v = ours_v[b, row, l, P - kept : P].transpose(1, 0, 2)
+                k = ours_k[b, row, l, :, P - kept : P]
+                v = ours_v[b, row, l, :, P - kept : P]
                 err = max(rel_err(k, k_ref[row * B + b]), rel_err(v, v_ref[row * B + b]))
                 assert err <= 1e-5, (l, row, b, err)
     assert {w[0].shape[2] for w in warm} == {P, cfg.tts.sliding_window - 1}  # both kinds checked

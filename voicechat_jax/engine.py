@@ -1,14 +1,25 @@
 """The device side of a serving run: parameters, the fresh-session template, the slot state and
 the compiled tick (``Engine``). The host side that drives it on the beat clock is
 ``serving.server.Server``.
+
+Memory. The state is allocated once, ``slots`` copies of the template, and updated in place by
+the donated tick (no second copy), so a server needs: the weights, the state, and the tick's
+scratch (the beat's activations, which grow with the slot count but not with the state). Before the
+state is allocated the engine checks that the requested slots fit in what the device has left
+(``plan_memory``) and refuses with the bytes needed and the largest slot count that fits. On a GPU,
+JAX takes a fixed share of device memory up front (75 % unless ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+says otherwise); a server that should use the whole card sets ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+(0.95 on an H200 leaves room for the CUDA context and cuBLAS/cuDNN workspaces).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
 import jax
+from absl import logging
 
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
@@ -16,30 +27,131 @@ from voicechat_jax.config import ModelConfig, ServeConfig
 from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 
+GIB = 2**30
+# Scratch kept free for the tick's activations, cuBLAS/cuDNN workspaces and the beat's I/O, as a
+# share of the device's memory limit (on the H200 the 11B tick's scratch measured well under this).
+SCRATCH_FRACTION = 0.04
+
+
+class MemoryPlanError(RuntimeError):
+    """The requested slots do not fit in device memory (the message says what would)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What a server's state costs on its device, decided before anything is allocated."""
+
+    slots: int
+    slot_bytes: int  # one slot's state (the template's bytes, plus its live flag and key)
+    state_bytes: int  # slots * slot_bytes
+    limit_bytes: int | None  # the device allocator's limit (None: unknown, e.g. the CPU)
+    in_use_bytes: int  # already allocated (weights, template) when the plan was made
+    scratch_bytes: int  # kept free for the tick's scratch
+
+    @property
+    def free_bytes(self) -> int | None:
+        if self.limit_bytes is None:
+            return None
+        return self.limit_bytes - self.in_use_bytes - self.scratch_bytes
+
+    @property
+    def max_slots(self) -> int | None:
+        free = self.free_bytes
+        return None if free is None else max(0, free // self.slot_bytes)
+
+    @property
+    def fits(self) -> bool:
+        free = self.free_bytes
+        return free is None or self.state_bytes <= free
+
+    def describe(self) -> str:
+        need = f"{self.slots} slots x {self.slot_bytes / 2**20:.1f} MiB = "
+        need += f"{self.state_bytes / GIB:.2f} GiB of state"
+        if self.limit_bytes is None:
+            return need + " (device memory limit unknown: not checked)"
+        return (
+            f"{need}; the device has {self.limit_bytes / GIB:.2f} GiB, "
+            f"{self.in_use_bytes / GIB:.2f} GiB in use (weights, template), "
+            f"{self.scratch_bytes / GIB:.2f} GiB kept for scratch: "
+            f"at most {self.max_slots} slots fit"
+        )
+
+
+def _device_memory(device) -> tuple[int | None, int]:
+    """(allocator limit, bytes in use) of ``device``; (None, 0) where it reports none (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return None, 0
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
+def plan_memory(
+    template: voicechat.FrameState,
+    slots: int,
+    *,
+    limit_bytes: int | None = None,
+    in_use_bytes: int | None = None,
+    device=None,
+) -> MemoryPlan:
+    """The memory plan of ``slots`` copies of ``template`` on ``device`` (default: the first).
+
+    ``limit_bytes`` / ``in_use_bytes`` override what the device reports (tests; a budget smaller
+    than the card).
+    """
+    per_slot = sum(x.nbytes for x in jax.tree_util.tree_leaves(template))
+    per_slot += 1 + 2 * 4  # the live flag and the raw sampling key
+    dev_limit, dev_in_use = _device_memory(device or jax.devices()[0])
+    limit = dev_limit if limit_bytes is None else limit_bytes
+    in_use = dev_in_use if in_use_bytes is None else in_use_bytes
+    scratch = 0 if limit is None else int(SCRATCH_FRACTION * limit)
+    return MemoryPlan(
+        slots=slots,
+        slot_bytes=per_slot,
+        state_bytes=slots * per_slot,
+        limit_bytes=limit,
+        in_use_bytes=in_use,
+        scratch_bytes=scratch,
+    )
+
 
 class Engine:
     """The device side: params, template, slot state and the compiled tick."""
 
-    def __init__(self, params, cfg: ModelConfig, serve: ServeConfig, precision: Precision):
+    def __init__(
+        self,
+        params,
+        cfg: ModelConfig,
+        serve: ServeConfig,
+        precision: Precision,
+        *,
+        template: voicechat.FrameState | None = None,
+        memory_limit_bytes: int | None = None,
+    ):
+        """Builds the template (unless given), checks the memory plan, allocates the state.
+
+        Args:
+          template: a fresh-session state already built for this ``cfg``/``serve``/``precision``
+            (several engines of one process can share it); default: built here.
+          memory_limit_bytes: the memory budget to plan against, instead of the device's own limit.
+
+        Raises:
+          MemoryPlanError: the slots do not fit; the message names the bytes needed and the
+            largest slot count that fits.
+        """
         self.params = params
         self.cfg = cfg
         self.serve = serve
         self.precision = precision
         t = time.perf_counter()
-        # Jitted: op by op, the 11B template took ~60 s on an H200, mostly per-op compiles.
-        initial = jax.jit(
-            functools.partial(
-                voicechat.initial_state,
-                cfg=cfg,
-                precision=precision,
-                max_len=serve.context_frames,
-                system_prompt=serve.system_prompt,
-                deterministic=serve.deterministic,
-            )
-        )
-        self.template = initial(params)
+        if template is None:
+            template = build_template(params, cfg, serve, precision)
+        self.template = template
         jax.block_until_ready(self.template)
         self.template_s = time.perf_counter() - t
+        self.memory = plan_memory(self.template, serve.slots, limit_bytes=memory_limit_bytes)
+        if not self.memory.fits:
+            raise MemoryPlanError(f"the state does not fit: {self.memory.describe()}")
+        logging.info("memory plan: %s", self.memory.describe())
         self.state = state_lib.from_template(self.template, serve.slots)
         self.samples_per_beat = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
         self._tick = None
@@ -47,6 +159,7 @@ class Engine:
 
     def reset(self) -> None:
         """Every slot back to the fresh template, none live (the compiled tick is kept)."""
+        self.state = None  # drop the old state first: two states need not fit side by side
         self.state = state_lib.from_template(self.template, self.serve.slots)
 
     def empty_beat(self) -> state_lib.BeatInput:
@@ -61,6 +174,7 @@ class Engine:
                 self.params, self.state, self.template, self.empty_beat()
             ).compile()
             self.compile_s = time.perf_counter() - t
+            _log_compiled("tick", self._tick, self.memory)
         return self._tick
 
     def tick(self, beat: state_lib.BeatInput) -> state_lib.BeatOutput:
@@ -74,9 +188,45 @@ class Engine:
         fn = step_lib.make_resident(self.cfg, self.serve, self.precision, next_beat, deliver)
         compiled = fn.lower(self.params, self.state, self.template, self.empty_beat()).compile()
         self.compile_s = time.perf_counter() - t
+        _log_compiled("resident loop", compiled, self.memory)
         return compiled
 
     def run_resident(self, compiled, first_beat: state_lib.BeatInput) -> None:
         """Runs the whole serving run as one on-device loop; the state is donated and replaced."""
         self.state = compiled(self.params, self.state, self.template, first_beat)
         jax.block_until_ready(self.state)
+
+
+def _log_compiled(name: str, compiled, plan: MemoryPlan) -> None:
+    """Logs the compiled program's memory: the state should be aliased, the scratch small."""
+    try:
+        m = compiled.memory_analysis()
+    except (AttributeError, NotImplementedError):  # some backends report nothing
+        return
+    if m is None:
+        return
+    logging.info(
+        "%s compiled: scratch %.1f MiB, %.1f MiB of arguments aliased to outputs (state %.1f MiB)",
+        name,
+        m.temp_size_in_bytes / 2**20,
+        m.alias_size_in_bytes / 2**20,
+        plan.state_bytes / 2**20,
+    )
+
+
+def build_template(params, cfg: ModelConfig, serve: ServeConfig, precision: Precision):
+    """The fresh-session state (batch 1) for a server configuration, jitted.
+
+    Jitted because op by op the 11B template took ~60 s on an H200, mostly per-op compiles.
+    """
+    initial = jax.jit(
+        functools.partial(
+            voicechat.initial_state,
+            cfg=cfg,
+            precision=precision,
+            max_len=serve.context_frames,
+            system_prompt=serve.system_prompt,
+            deterministic=serve.deterministic,
+        )
+    )
+    return initial(params)

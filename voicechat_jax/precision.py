@@ -23,7 +23,8 @@ class Precision:
     llm_kv: jnp.dtype = jnp.bfloat16  # Nano attention KV cache
     ssm_state: jnp.dtype = jnp.float32  # Mamba-2 SSM and conv state
     rnnt: jnp.dtype = jnp.float32  # transcript head
-    tts: jnp.dtype = jnp.float32  # EarTTS backbone, text side, MoG head, its KV cache
+    tts: jnp.dtype = jnp.float32  # EarTTS backbone, text side, MoG head
+    tts_kv: jnp.dtype = jnp.float32  # EarTTS backbone KV cache (the largest per-session state)
     codec: jnp.dtype = jnp.float32  # RVQ-VAE codec
 
     @classmethod
@@ -35,4 +36,4 @@ class Precision:
     def fp32(cls) -> Precision:
         """Everything in fp32: the setting of the parity tests."""
         f = jnp.float32
-        return cls(encoder=f, llm=f, llm_kv=f, ssm_state=f, rnnt=f, tts=f, codec=f)
+        return cls(encoder=f, llm=f, llm_kv=f, ssm_state=f, rnnt=f, tts=f, tts_kv=f, codec=f)

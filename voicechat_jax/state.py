@@ -4,7 +4,19 @@ The model's per-frame state (``voicechat.FrameState``: encoder caches, Mamba SSM
 both KV caches, previous tokens and codes, codec tails, positions) is held for ``B`` slots at once,
 sized once for the context cap. On top of it the engine keeps, per slot, whether it is live and the
 session's sampling key. Admission copies a fresh-session *template* (speaker-prompt and
-system-prompt prefill, done once at start-up) into a slot; release only clears ``active``.
+system-prompt prefill, done once at start-up) into a slot, in place; release only clears
+``active``.
+
+Layout (11B, cap 1,500 frames, reference precision; per slot): the large leaves are one buffer per
+layer in the layout their decode update reads, slot axis first, and the tick updates each where it
+lies (the state is donated; every update masks itself by the slots that run):
+
+- ``model.tts.k`` / ``.v``: 28 x [B, 2, K, S, H] fp32, the speech decoder's KV (cond and uncond
+  rows), ~0.77 GB: the largest item;
+- ``model.llm.ssm``: 27 x [B, N, H, P] fp32, the Mamba-2 SSM state, ~142 MB;
+- ``model.llm.k`` / ``.v``: 4 x [B, K, S, H] bf16, the LLM's KV;
+- small leaves (encoder caches ~7 MB, the Mamba conv state stacked as [B, L_m, k-1, C], RNNT,
+  codec tails, previous tokens and codes, counters), each documented in its module.
 
 The beat's inputs and outputs (``BeatInput``, ``BeatOutput``) are the only arrays that cross between
 host and device per beat.

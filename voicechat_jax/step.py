@@ -1,9 +1,10 @@
 """The tick: one beat for every slot, pure and jitted once; and the two ways to drive it.
 
-``tick(params, state, template, beat)`` admits and releases sessions (masked copies of the
-fresh-session template, skipped with ``lax.cond`` on beats where nobody joins or leaves), advances
-every slot by ``frames_per_tick`` frames, and keeps inactive slots bit-identical. It donates the
-state. Both drivers call the same tick, so they produce the same outputs bit for bit:
+``tick(params, state, template, beat)`` admits and releases sessions (the fresh-session template
+written into each admitted slot in place), advances every slot by ``frames_per_tick`` frames, and
+keeps inactive slots bit-identical: every update masks itself, nothing selects between two whole
+states, so the donated state is updated where it lies. Both drivers call the same tick, so they
+produce the same outputs bit for bit:
 
 - ``resident_loop``: one jitted ``lax.while_loop`` for the whole serving run. Each iteration takes
   the beat's input from the host and hands the beat's output back through ordered ``io_callback``s;
@@ -31,29 +32,23 @@ from voicechat_jax.state import BeatInput, BeatOutput, SessionState
 TRACE_COUNT = {"tick": 0}
 
 
-def _where_slots(mask: jax.Array, new, old):
-    """Per-slot select over a pytree whose leaves all have the slot axis first."""
+def insert(model: voicechat.FrameState, template: voicechat.FrameState, mask: jax.Array):
+    """The slots in ``mask`` [B] set to the fresh-session template, in place; others untouched.
 
-    def sel(n, o):
-        m = mask.reshape(mask.shape + (1,) * (o.ndim - 1))
-        return jnp.where(m, n, o)
+    A loop over the masked slots writes the template ([1, ...] leaves) into each with
+    ``dynamic_update_slice`` (maxtext's ``insert``): the carried state is updated where it lies
+    and a beat where nobody joins runs the loop zero times.
+    """
+    B = mask.shape[0]
+    slots = jnp.nonzero(mask, size=B, fill_value=0)[0]  # the masked slots first
 
-    return jax.tree_util.tree_map(sel, new, old)
+    def one(i, m):
+        def put(x, t):
+            return jax.lax.dynamic_update_slice_in_dim(x, t.astype(x.dtype), slots[i], axis=0)
 
+        return jax.tree_util.tree_map(put, m, template)
 
-def _reseed(mask: jax.Array, template: voicechat.FrameState, model: voicechat.FrameState):
-    """The slots in ``mask`` set to the fresh-session template ([1, ...] leaves), others kept."""
-    fresh = jax.tree_util.tree_map(lambda t, x: jnp.broadcast_to(t, x.shape), template, model)
-    return _where_slots(mask, fresh, model)
-
-
-def _admit(state: SessionState, template: voicechat.FrameState, admit, key) -> SessionState:
-    """Copy the template into the admitted slots and give them their sampling keys."""
-    return SessionState(
-        model=_reseed(admit, template, state.model),
-        active=state.active | admit,
-        key=jnp.where(admit[:, None], key, state.key),
-    )
+    return jax.lax.fori_loop(0, jnp.sum(mask, dtype=jnp.int32), one, model)
 
 
 def tick(
@@ -66,7 +61,7 @@ def tick(
     serve: ServeConfig,
     precision: Precision,
 ) -> tuple[SessionState, BeatOutput]:
-    """Advance every slot by one beat. Donates ``state`` when jitted through ``make_tick``.
+    """Advance every slot by one beat, in place. Donates ``state`` when jitted (``make_tick``).
 
     Args:
       params: ``voicechat.ModelParams``.
@@ -78,44 +73,37 @@ def tick(
       The new state and the beat's outputs. A slot that is inactive, or would pass the context
       cap (``at_cap='end'``), does not advance and its state is returned bit-identical; with
       ``at_cap='rollover'`` a session at the cap is re-seeded from the template and runs its beat.
+      No select over the whole state: admission writes the template into the admitted slots, and
+      every update in ``voicechat.advance`` masks itself by the slots that run.
     """
     TRACE_COUNT["tick"] += 1
     fpt = serve.frames_per_tick
-    changed = jnp.any(beat.admit) | jnp.any(beat.release)
+    active = (state.active & ~beat.release) | beat.admit
+    model = insert(state.model, template, beat.admit)
+    key = jnp.where(beat.admit[:, None], beat.key, state.key)
 
-    def membership(s: SessionState) -> SessionState:
-        s = s.replace(active=s.active & ~beat.release)
-        return _admit(s, template, beat.admit, beat.key)
-
-    state = jax.lax.cond(changed, membership, lambda s: s, state)
-
-    room = state.model.frame + fpt <= serve.context_frames
-    at_cap = state.active & ~room
-    model = state.model
+    room = model.frame + fpt <= serve.context_frames
+    at_cap = active & ~room
     if serve.at_cap == "rollover":
         # Re-seed a session at the cap from the template before its beat; it keeps its sampling
         # key and loses no audio.
-        model = jax.lax.cond(
-            jnp.any(at_cap), lambda m: _reseed(at_cap, template, m), lambda m: m, model
-        )
-        ran = state.active
-        active = state.active
+        model = insert(model, template, at_cap)
+        ran = active
     else:
-        ran = state.active & room
-        active = state.active & ~at_cap
-    new_model, frames = voicechat.advance(
+        ran = active & room
+        active = active & ~at_cap
+    model, frames = voicechat.advance(
         params,
         model,
         beat.audio,
-        state.key,
+        key,
+        ran,
         cfg=cfg,
         precision=precision,
         deterministic=serve.deterministic,
         attention=serve.attention,
         ssm_kernel=serve.ssm_kernel,
     )
-    model = _where_slots(ran, new_model, model)
-    key = state.key
     new_state = SessionState(model=model, active=active, key=key)
     out = BeatOutput(frames=frames, ran=ran, active=active, at_cap=at_cap, frame=model.frame)
     return new_state, out

@@ -15,9 +15,10 @@ import numpy as np
 from absl import app, flags, logging
 
 from voicechat_jax import config as config_lib
+from voicechat_jax.engine import Engine
 from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
-from voicechat_jax.serving.server import Engine, Server, SessionPlan
+from voicechat_jax.serving.server import Server, SessionPlan
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "tiny", "Preset: tiny | voicechat_11b.")
@@ -38,20 +39,36 @@ def _speech(n: int, seed: int) -> np.ndarray:
     return (0.3 * x + 0.03 * rng.standard_normal(n)).astype(np.float32)
 
 
-def measure(params, cfg, precision, sessions: int, loop: str) -> dict:
+def device_memory() -> dict:
+    """GiB in use and peak on the first device, where it reports them (GPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        k: round(stats[k] / 2**30, 2)
+        for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+        if k in stats
+    }
+
+
+def make_engine(params, cfg, precision, sessions: int, template=None, **serve_kw) -> Engine:
     serve = config_lib.ServeConfig(
         slots=sessions,
         frames_per_tick=2,
         context_frames=FLAGS.context_frames,
         ssm_kernel=FLAGS.ssm_kernel,
+        **serve_kw,
     )
-    t = time.perf_counter()
-    engine = Engine(params, cfg, serve, precision)
-    template_s = time.perf_counter() - t
-    samples = FLAGS.ticks * engine.samples_per_beat
+    return Engine(params, cfg, serve, precision, template=template)
+
+
+def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
+    """Serves ``slots`` sessions for ``ticks`` beats on ``engine``; one row of results."""
+    ticks = FLAGS.ticks if ticks is None else ticks
+    sessions = engine.serve.slots
+    engine.reset()
+    samples = ticks * engine.samples_per_beat
     plans = [SessionPlan(id=f"s{i}", audio=_speech(samples, i)) for i in range(sessions)]
     server = Server(engine, clock=FLAGS.clock, loop=loop, warmup_ticks=FLAGS.warmup_ticks)
-    server.run(plans, FLAGS.ticks)
+    server.run(plans, ticks)
     s = server.metrics.summary()
     lat = s["latency_ms"]
     return {
@@ -63,7 +80,7 @@ def measure(params, cfg, precision, sessions: int, loop: str) -> dict:
         "sessions": sessions,
         "context_frames": FLAGS.context_frames,
         "clock": FLAGS.clock,
-        "template_s": round(template_s, 2),
+        "template_s": round(engine.template_s, 2),
         "compile_s": round(next(iter(s["compile_s"].values())), 2),
         "steady_ticks": s["ticks"],
         "p50_ms": lat["p50"],
@@ -71,40 +88,59 @@ def measure(params, cfg, precision, sessions: int, loop: str) -> dict:
         "max_ms": lat["max"],
         "missed_ticks": s["missed_ticks"],
         "warmup_max_ms": s["warmup"]["latency_ms"]["max"],
+        "state_gib": round(engine.memory.state_bytes / 2**30, 2),
+        "memory_gib": device_memory(),
     }
+
+
+def init_params(cfg, precision):
+    """Random weights, jitted (op by op the 11B init took ~45 s on an H200)."""
+    t = time.perf_counter()
+    params = jax.jit(lambda k: voicechat.init(k, cfg, precision))(jax.random.key(0))
+    jax.block_until_ready(params)
+    logging.info("random %s params in %.1f s", FLAGS.model, time.perf_counter() - t)
+    return params
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'loop':9} {'sess':>4} {'compile s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}"
+    head += f" {'missed':>6} {'ticks':>5}"
+    print(
+        f"{FLAGS.model} on {rows[0]['device']}, jax {jax.__version__}, {FLAGS.clock} clock, "
+        f"160 ms beat, context cap {FLAGS.context_frames} frames"
+    )
+    print(head)
+    def ms(x) -> str:
+        return f"{x:>8.1f}" if x is not None else f"{'-':>8}"
+
+    for r in rows:
+        print(
+            f"{r['loop']:9} {r['sessions']:>4} {r['compile_s']:>9.1f} {ms(r['p50_ms'])} "
+            f"{ms(r['p99_ms'])} {ms(r['max_ms'])} {r['missed_ticks']:>6} {r['steady_ticks']:>5}"
+        )
 
 
 def main(argv):
     del argv
     cfg = config_lib.PRESETS[FLAGS.model]()
     precision = Precision.reference()
-    t = time.perf_counter()
-    params = voicechat.init(jax.random.key(0), cfg, precision)
-    jax.block_until_ready(params)
-    logging.info("random %s params in %.1f s", FLAGS.model, time.perf_counter() - t)
+    params = init_params(cfg, precision)
+    template = None  # built by the first engine, shared by the others (same cap and prompt)
     rows = []
-    for loop in FLAGS.loops:
-        for n in (int(x) for x in FLAGS.sessions):
-            row = measure(params, cfg, precision, n, loop)
+    for n in (int(x) for x in FLAGS.sessions):
+        engine = make_engine(params, cfg, precision, n, template)
+        template = engine.template
+        for loop in FLAGS.loops:
+            row = measure(engine, loop)
             rows.append(row)
             logging.info("%s", row)
             if FLAGS.out:
                 with open(FLAGS.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
-    head = f"{'loop':9} {'sess':>4} {'compile s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}"
-    head += f" {'missed':>6}"
-    print(
-        f"{FLAGS.model} on {rows[0]['device']}, jax {jax.__version__}, {FLAGS.clock} clock, "
-        f"160 ms beat, context cap {FLAGS.context_frames} frames"
-    )
-    print(head)
-    for r in rows:
-        print(
-            f"{r['loop']:9} {r['sessions']:>4} {r['compile_s']:>9.1f} {r['p50_ms']:>8.1f} "
-            f"{r['p99_ms']:>8.1f} {r['max_ms']:>8.1f} {r['missed_ticks']:>6}"
-        )
+        del engine
+    print_table(rows)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     app.run(main)

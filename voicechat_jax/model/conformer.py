@@ -371,20 +371,27 @@ def _layers(
     # distance query - key for query t (at S + t) and key s; keys right of the query are masked
     rel_idx = np.clip(S + np.arange(T)[:, None] - np.arange(S + T)[None, :], 0, S + T - 1)
 
-    def layer(h, xs):
-        lp, ac, cc = xs
+    def layer(carry, xs):
+        # The caches stay [B, L, ...] and are carried: layer l's slab is read and written back in
+        # place (no transpose of the whole cache around the scan).
+        h, att, conv = carry
+        lp, l = xs
         h = h + 0.5 * _feed_forward(lp.ff1, h, eps)
-        y, ac = _attention(lp.attn, h, ac, mask, rel_idx, pe, eps)
+        y, ac = _attention(lp.attn, h, att[:, l], mask, rel_idx, pe, eps)
         h = h + y
-        y, cc = _convolution(lp.conv, h, cc, eps)
+        y, cc = _convolution(lp.conv, h, conv[:, l], eps)
         h = h + y
         h = h + 0.5 * _feed_forward(lp.ff2, h, eps)
         h = layer_norm(h, lp.out_norm, lp.out_norm_b, eps)
-        return h, (ac, cc)
+        att = jax.lax.dynamic_update_index_in_dim(att, ac.astype(att.dtype), l, axis=1)
+        conv = jax.lax.dynamic_update_index_in_dim(conv, cc.astype(conv.dtype), l, axis=1)
+        return (h, att, conv), None
 
-    xs = (p, jnp.swapaxes(att_cache, 0, 1), jnp.swapaxes(conv_cache, 0, 1))
-    y, (att_cache, conv_cache) = jax.lax.scan(layer, x, xs)
-    return y, jnp.swapaxes(att_cache, 0, 1), jnp.swapaxes(conv_cache, 0, 1)
+    L = att_cache.shape[1]
+    (y, att_cache, conv_cache), _ = jax.lax.scan(
+        layer, (x, att_cache, conv_cache), (p, jnp.arange(L))
+    )
+    return y, att_cache, conv_cache
 
 
 def _attention_mask(pos: jax.Array, T: int, S: int) -> jax.Array:

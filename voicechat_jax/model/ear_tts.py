@@ -107,8 +107,8 @@ class TTSParams:
 class TTSState:
     """One session's speech-decoder state per slot, slot axis first."""
 
-    k: jax.Array  # [B, 2, L, S, K, H]  backbone keys; [:, 0] cond row, [:, 1] uncond row
-    v: jax.Array  # [B, 2, L, S, K, H]
+    k: tuple[jax.Array, ...]  # L x [B, 2, K, S, H]  backbone keys; [:, 0] cond, [:, 1] uncond
+    v: tuple[jax.Array, ...]  # L x [B, 2, K, S, H]  backbone values
     pos: jax.Array  # [B] int32  positions in the cache (prompt + frames run), both rows
     prev_codes: jax.Array  # [B, Q] int32  previous frame's codes (C = mask before the first)
     frame: jax.Array  # [B] int32  tts_step calls since warm-up (0: the skipped first frame)
@@ -402,12 +402,12 @@ def warmup_state(
     cache = gemma.init_cache(t, 2, max_len, precision)
     cache, _ = gemma.forward(params.backbone, cache, x, cfg=t)  # [2, P, D]: cond, uncond
 
-    def per_slot(a: jax.Array) -> jax.Array:
+    def per_slot(a: jax.Array) -> jax.Array:  # [2, K, S, H] -> [batch, 2, K, S, H]
         return jnp.broadcast_to(a[None], (batch, *a.shape))
 
     return TTSState(
-        k=per_slot(cache.k),
-        v=per_slot(cache.v),
+        k=tuple(per_slot(a) for a in cache.k),
+        v=tuple(per_slot(a) for a in cache.v),
         pos=jnp.full((batch,), P, jnp.int32),
         prev_codes=jnp.full((batch, Q), C, jnp.int32),
         frame=jnp.zeros((batch,), jnp.int32),
@@ -419,16 +419,20 @@ def tts_step(
     state: TTSState,
     text_ids: jax.Array,
     keys: jax.Array | None,
+    run: jax.Array | None = None,
     *,
     cfg: ModelConfig,
     deterministic: bool,
 ) -> tuple[TTSState, jax.Array, jax.Array]:
-    """One 80 ms frame for every slot.
+    """One 80 ms frame for the slots in ``run`` (default all).
 
     Args:
       text_ids: [B] int, the frame's text token (the LLM's output for this frame).
       keys: [B] typed keys or [B, 2] uint32 key data, this frame's key per session (None when
         ``deterministic``).
+      run: [B] bool, the slots that advance; the others keep their state bit-identical (their
+        cache rows are not written, their counters and previous codes are kept) and their codes
+        are meaningless.
 
     Returns:
       (state, codes [B, Q] int32 as generated (zeros on frame 0), codes for the codec [B, Q]
@@ -436,24 +440,29 @@ def tts_step(
     """
     t = cfg.tts
     B = text_ids.shape[0]
-    run = state.frame > 0  # offline_inference starts its EarTTS loop at t = 1
+    run = jnp.ones((B,), bool) if run is None else run
+    live = run & (state.frame > 0)  # offline_inference starts its EarTTS loop at t = 1
     prev = jnp.where((text_ids == EOS_ID)[:, None], params.silence_codes, state.prev_codes)
     cond, uncond = embed_frame(params, prev, text_ids, cfg=cfg)
     x = jnp.stack([cond, uncond], axis=1).reshape(2 * B, 1, -1)  # rows 2b, 2b+1 = slot b
 
-    def rows(a: jax.Array) -> jax.Array:
+    def rows(a: jax.Array) -> jax.Array:  # [B, 2, ...] -> [2B, ...], a free reshape
         return a.reshape(2 * B, *a.shape[2:])
 
-    cache = gemma.GemmaCache(k=rows(state.k), v=rows(state.v), pos=jnp.repeat(state.pos, 2))
-    cache, h = gemma.forward(params.backbone, cache, x, cfg=t, valid=jnp.repeat(run, 2))
+    cache = gemma.GemmaCache(
+        k=tuple(rows(a) for a in state.k),
+        v=tuple(rows(a) for a in state.v),
+        pos=jnp.repeat(state.pos, 2),
+    )
+    cache, h = gemma.forward(params.backbone, cache, x, cfg=t, valid=jnp.repeat(live, 2))
     h = h.reshape(B, 2, -1)
     codes = generate_codes(params, h[:, 0], h[:, 1], keys, cfg=cfg, deterministic=deterministic)
-    codes = jnp.where(run[:, None], codes, 0)
+    codes = jnp.where(live[:, None], codes, 0)
     new = TTSState(
-        k=cache.k.reshape(state.k.shape),
-        v=cache.v.reshape(state.v.shape),
+        k=tuple(a.reshape(old.shape) for a, old in zip(cache.k, state.k, strict=True)),
+        v=tuple(a.reshape(old.shape) for a, old in zip(cache.v, state.v, strict=True)),
         pos=cache.pos.reshape(B, 2)[:, 0],
-        prev_codes=jnp.where(run[:, None], codes, state.prev_codes),
-        frame=state.frame + 1,
+        prev_codes=jnp.where(live[:, None], codes, state.prev_codes),
+        frame=state.frame + run.astype(jnp.int32),
     )
     return new, codes, replace_control_codes(params, codes)

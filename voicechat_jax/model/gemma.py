@@ -18,7 +18,7 @@ then ``final_norm``. Layer ``i`` is global iff ``(i + 1) % global_every == 0``: 
 sliding window of ``sliding_window`` positions including the query's own (a key at position ``j``
 is seen from position ``p`` iff ``p - window < j <= p``, HF's ``sliding_window_overlay``). The
 attention scale is ``query_pre_attn_scalar ** -0.5``; there is no logit softcap. The layer kind is
-data (a per-layer RoPE table and window), so one ``lax.scan`` runs all layers.
+data (a per-layer RoPE table and window); the layers are unrolled, each with its own cache leaf.
 
 The cache is a plain array of ``S`` positions per slot (no ring buffer): position ``p`` lives at
 index ``p``, and the sliding window is applied by the mask, so a sliding layer keeps (and reads)
@@ -80,10 +80,14 @@ _LAYER_FIELDS = (
 
 @struct.dataclass
 class GemmaCache:
-    """Keys (after RoPE) and values of every layer, per slot; slot axis first."""
+    """Keys (after RoPE) and values of every layer, per slot; slot axis first.
 
-    k: jax.Array  # [B, L, S, K, H]  position p of a slot at index p
-    v: jax.Array  # [B, L, S, K, H]
+    One leaf per layer, each [B, K, S, H] (a whole buffer per layer, the layout a decode attention
+    reads: each slot's head is one contiguous [S, H] block).
+    """
+
+    k: tuple[jax.Array, ...]  # L x [B, K, S, H]  position p of a slot at index p
+    v: tuple[jax.Array, ...]  # L x [B, K, S, H]
     pos: jax.Array  # [B] int32: positions already in the cache (the next position's index)
 
 
@@ -120,10 +124,11 @@ def init_cache(
     cfg: SpeechDecoderConfig, batch: int, max_len: int, precision: Precision
 ) -> GemmaCache:
     """An empty cache of ``max_len`` positions for ``batch`` slots."""
-    shape = (batch, cfg.n_layers, max_len, cfg.n_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+    dt = precision.tts_kv
     return GemmaCache(
-        k=jnp.zeros(shape, precision.tts),
-        v=jnp.zeros(shape, precision.tts),
+        k=tuple(jnp.zeros(shape, dt) for _ in range(cfg.n_layers)),
+        v=tuple(jnp.zeros(shape, dt) for _ in range(cfg.n_layers)),
         pos=jnp.zeros((batch,), jnp.int32),
     )
 
@@ -174,6 +179,7 @@ def forward(
 
     Row ``b``'s new positions are ``cache.pos[b] .. cache.pos[b] + T - 1``, so slots at different
     positions share one call. ``T = 1`` is one decoding step, ``T = prompt length`` a prefill.
+    The layers are unrolled (each has its own cache leaf, written in place).
 
     Args:
       params: the backbone weights.
@@ -188,8 +194,9 @@ def forward(
       (the new cache, h [B, T, D] the final-norm hidden states).
     """
     B, T, _ = x.shape
-    S = cache.k.shape[2]
-    G = cfg.n_heads // cfg.n_kv_heads
+    S = cache.k[0].shape[2]
+    K, H = cfg.n_kv_heads, cfg.head_dim
+    G = cfg.n_heads // K
     if valid is None:
         valid = jnp.ones((B, T), bool)
     elif valid.ndim == 1:
@@ -204,32 +211,32 @@ def forward(
     inv_freq, window = layer_kinds(cfg)
     scale = cfg.query_pre_attn_scalar**-0.5
     eps = cfg.norm_eps
+    masks = {int(w): causal & (distance < w) for w in set(window.tolist())}  # [B, T, S] per kind
 
-    def layer(carry, xs):
-        h, k_cache, v_cache = carry
-        w, inv, win, l = xs
+    h = x
+    ks, vs = list(cache.k), list(cache.v)
+    for l in range(cfg.n_layers):
+        w = {f: getattr(params, f)[l] for f in _LAYER_FIELDS}
+        inv = jnp.asarray(inv_freq[l])
         y = rms_norm(h, w["input_norm"], eps, offset=1.0)
-        q = jnp.einsum("btd,de->bte", y, w["q"].astype(y.dtype))
-        k = jnp.einsum("btd,de->bte", y, w["k"].astype(y.dtype))
-        v = jnp.einsum("btd,de->bte", y, w["v"].astype(y.dtype))
-        q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, N, H]
-        k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
-        v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, H]
+        q = jnp.einsum("btd,de->bte", y, w["q"].astype(y.dtype)).reshape(B, T, cfg.n_heads, H)
+        k = jnp.einsum("btd,de->bte", y, w["k"].astype(y.dtype)).reshape(B, T, K, H)
+        v = jnp.einsum("btd,de->bte", y, w["v"].astype(y.dtype)).reshape(B, T, K, H)
         q = apply_rope(rms_norm(q, w["q_norm"], eps, offset=1.0), positions, inv)
         k = apply_rope(rms_norm(k, w["k_norm"], eps, offset=1.0), positions, inv)
-        k_cache = k_cache.at[rows, l, write_at].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[rows, l, write_at].set(v.astype(v_cache.dtype), mode="drop")
-        keys, values = k_cache[:, l], v_cache[:, l]  # [B, S, K, H]
-        qg = q.reshape(B, T, cfg.n_kv_heads, G, cfg.head_dim)  # [B, T, K, G, H]
+        # Advanced indices on axes 0 and 2 around a slice: the update is [B, T, K, H].
+        ks[l] = ks[l].at[rows, :, write_at].set(k.astype(ks[l].dtype), mode="drop")
+        vs[l] = vs[l].at[rows, :, write_at].set(v.astype(vs[l].dtype), mode="drop")
+        qg = q.reshape(B, T, K, G, H)
         logits = jnp.einsum(
-            "btkgh,bskh->bkgts", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32
+            "btkgh,bksh->bkgts", qg, ks[l].astype(q.dtype), preferred_element_type=jnp.float32
         )
         logits = logits * scale
-        mask = causal & (distance < win)  # [B, T, S]
+        mask = masks[int(window[l])]
         logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)  # [B, K, G, T, S]
-        a = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(q.dtype))
-        a = a.reshape(B, T, cfg.n_heads * cfg.head_dim)
+        a = jnp.einsum("bkgts,bksh->btkgh", probs, vs[l].astype(q.dtype))
+        a = a.reshape(B, T, cfg.n_heads * H)
         a = jnp.einsum("bte,ed->btd", a, w["o"].astype(a.dtype))
         h = h + rms_norm(a, w["post_attn_norm"], eps, offset=1.0)
         y = rms_norm(h, w["pre_ff_norm"], eps, offset=1.0)
@@ -239,11 +246,6 @@ def forward(
             "btf,fd->btd", jax.nn.gelu(g, approximate=True) * u, w["down"].astype(y.dtype)
         )
         h = h + rms_norm(m, w["post_ff_norm"], eps, offset=1.0)
-        return (h, k_cache, v_cache), None
-
-    stacked = {f: getattr(params, f) for f in _LAYER_FIELDS}
-    xs = (stacked, jnp.asarray(inv_freq), jnp.asarray(window), jnp.arange(cfg.n_layers))
-    (h, k_cache, v_cache), _ = jax.lax.scan(layer, (x, cache.k, cache.v), xs)
     h = rms_norm(h, params.final_norm, eps, offset=1.0)
     pos = cache.pos + jnp.sum(valid, axis=-1, dtype=jnp.int32)
-    return GemmaCache(k=k_cache, v=v_cache, pos=pos), h
+    return GemmaCache(k=tuple(ks), v=tuple(vs), pos=pos), h

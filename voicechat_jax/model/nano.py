@@ -109,12 +109,17 @@ class NanoParams:
 
 @struct.dataclass
 class NanoState:
-    """Per-slot recurrent state of the LLM: arrays only, slot axis B first."""
+    """Per-slot recurrent state of the LLM: arrays only, slot axis B first.
 
-    ssm: jax.Array  # [B, L_m, N, H, P] Mamba SSM state, precision.ssm_state
+    The SSM state and the attention caches are one leaf per layer, each in the layout its decode
+    update reads (a whole buffer per layer: no strided slab of a stacked array, one kernel compile
+    for every layer); the conv state is small and stays stacked.
+    """
+
+    ssm: tuple[jax.Array, ...]  # L_m x [B, N, H, P] Mamba SSM state, precision.ssm_state
     conv: jax.Array  # [B, L_m, k-1, C] last k-1 conv inputs (raw xBC), precision.ssm_state
-    k: jax.Array  # [B, L_a, S, K, H] attention keys, precision.llm_kv
-    v: jax.Array  # [B, L_a, S, K, H] attention values, precision.llm_kv
+    k: tuple[jax.Array, ...]  # L_a x [B, K, S, H] attention keys, precision.llm_kv
+    v: tuple[jax.Array, ...]  # L_a x [B, K, S, H] attention values, precision.llm_kv
     length: jax.Array  # [B] int32 positions consumed so far (= next cache row)
 
 
@@ -178,14 +183,13 @@ def abstract(cfg: LLMConfig, precision: Precision) -> NanoParams:
 def init_state(cfg: LLMConfig, batch: int, max_len: int, precision: Precision) -> NanoState:
     """The fresh state of ``batch`` slots with room for ``max_len`` attention positions each."""
     L_m, L_a = len(cfg.layers_of("M")), len(cfg.layers_of("*"))
-    kv = (batch, L_a, max_len, cfg.n_kv_heads, cfg.head_dim)
+    ssm = (batch, cfg.mamba_heads, cfg.mamba_head_dim, cfg.ssm_state)
+    kv = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
     return NanoState(
-        ssm=jnp.zeros(
-            (batch, L_m, cfg.mamba_heads, cfg.mamba_head_dim, cfg.ssm_state), precision.ssm_state
-        ),
+        ssm=tuple(jnp.zeros(ssm, precision.ssm_state) for _ in range(L_m)),
         conv=jnp.zeros((batch, L_m, cfg.conv_kernel - 1, cfg.conv_dim), precision.ssm_state),
-        k=jnp.zeros(kv, precision.llm_kv),
-        v=jnp.zeros(kv, precision.llm_kv),
+        k=tuple(jnp.zeros(kv, precision.llm_kv) for _ in range(L_a)),
+        v=tuple(jnp.zeros(kv, precision.llm_kv) for _ in range(L_a)),
         length=jnp.zeros((batch,), jnp.int32),
     )
 
@@ -285,62 +289,45 @@ def _gated_norm(y: jax.Array, z: jax.Array, w: jax.Array, cfg: LLMConfig) -> jax
     return w.astype(act) * g.reshape(*lead, -1).astype(act)
 
 
-def _mamba_step(p: MambaParams, j: int, h, conv, ssm, cfg: LLMConfig, ssm_kernel: str = "xla"):
-    """One frame of Mamba layer j (``mamba2_selective_state_update``).
+def _mamba_step(p: MambaParams, j: int, h, conv, ssm, run, cfg: LLMConfig, ssm_kernel: str = "xla"):
+    """One frame of Mamba layer j (``mamba2_selective_state_update``), masked by ``run``.
 
-    h [B, D] normed input; conv [B, k-1, C] layer j's conv state; ssm [B, L_m, N, H, P] the
-    stacked SSM state, of which layer j is updated. ``ssm_kernel`` picks the recurrent update:
-    'xla' (the jnp below) or 'pallas' (``pallas_kernels.ssm_step``, the stacked state updated in
-    place). Returns (conv, ssm, out [B, D]).
+    h [B, D] normed input; conv [B, k-1, C] and ssm [B, N, H, P] layer j's conv and SSM state;
+    run [B] bool, the rows that advance. ``ssm_kernel`` picks the recurrent update: 'xla' (the
+    jnp reference) or 'pallas' (``pallas_kernels.ssm_step``, the state updated in place). A row
+    that does not run gets dt = 0, so its SSM update is the identity (decay exp(0) = 1, input
+    term 0) and its state comes back unchanged without a select over the state; its conv state is
+    kept by a select (small). Returns (conv, ssm, out [B, D]).
     """
     act = h.dtype
-    B = h.shape[0]
+    Bsz = h.shape[0]
     z, xbc, dt_raw = _split_in_proj(dense(h, p.in_proj[j]), cfg)
     window = jnp.concatenate([conv.astype(F32), xbc[:, None].astype(F32)], axis=1)  # [B, k, C]
     xbc = jnp.einsum("bkc,kc->bc", window, p.conv_w[j].astype(F32)) + p.conv_b[j].astype(F32)
     xbc = jax.nn.silu(xbc).astype(act)
-    x, b, c = _split_xbc(xbc, cfg)  # [B, K, G, H], [B, K, P], [B, K, P]
+    x, b_mat, c_mat = _split_xbc(xbc, cfg)  # [B, K, G, H], [B, K, P], [B, K, P]
     dt, A = _ssm_coeffs(p, j, dt_raw, cfg)  # [B, K, G], [K, G]
-    update = _ssm_update_pallas if ssm_kernel == "pallas" else _ssm_update_xla
-    ssm, y = update(ssm, j, x, dt, A, b, c, p.D[j])
-    y = _gated_norm(y.reshape(B, -1).astype(act), z, p.gate_norm[j], cfg)
-    out = dense(y, p.out_proj[j])
-    return window[:, 1:].astype(conv.dtype), ssm, out
-
-
-def _ssm_update_xla(ssm, j: int, x, dt, A, b, c, D):
-    """Layer j's recurrent update in jnp (``ssm_step_reference``; XLA writes layer j back).
-
-    Shapes as ``_ssm_update_pallas``.
-    """
-    Bsz, K, G, H = x.shape
-    ssm, y = ssm_step_reference(
-        ssm, x.reshape(Bsz, K * G, H), dt.reshape(Bsz, K * G), A.reshape(K * G), b, c, D, layer=j
-    )
-    return ssm, y.reshape(Bsz, K, G, H)
-
-
-def _ssm_update_pallas(ssm, j: int, x, dt, A, b, c, D):
-    """Layer j's recurrent update through the Pallas kernel, in place in the stacked state.
-
-    ssm [B, L_m, N, H, P]; x [B, K, G, H] and dt [B, K, G] fp32; A [K, G]; b, c [B, K, P];
-    D [N]. Returns (ssm, y [B, K, G, H] fp32). On the CPU the kernel runs in the Pallas
-    interpreter (``jax.default_backend() == 'cpu'``, decided at trace time): there is no CPU
-    lowering, and the CPU tests compare this path against the jnp one.
-    """
-    Bsz, K, G, H = x.shape
-    ssm, y = ssm_step(
-        ssm,
+    dt = jnp.where(run[:, None, None], dt, 0.0)
+    K, G = A.shape
+    H = x.shape[-1]
+    args = (
         x.reshape(Bsz, K * G, H),
         dt.reshape(Bsz, K * G),
         A.reshape(K * G),
-        b,
-        c,
-        D.astype(F32),
-        layer=j,
-        interpret=jax.default_backend() == "cpu",
+        b_mat,
+        c_mat,
+        p.D[j].astype(F32),
     )
-    return ssm, y.reshape(Bsz, K, G, H)
+    if ssm_kernel == "pallas":
+        # No CPU lowering: the kernel runs in the Pallas interpreter there (decided at trace time),
+        # and the CPU tests compare this path against the jnp one.
+        ssm, y = ssm_step(ssm, *args, interpret=jax.default_backend() == "cpu")
+    else:
+        ssm, y = ssm_step_reference(ssm, *args)
+    y = _gated_norm(y.reshape(Bsz, -1).astype(act), z, p.gate_norm[j], cfg)
+    out = dense(y, p.out_proj[j])
+    new_conv = jnp.where(run[:, None, None], window[:, 1:], conv.astype(F32))
+    return new_conv.astype(conv.dtype), ssm, out
 
 
 def _segsum(a: jax.Array) -> jax.Array:
@@ -444,23 +431,25 @@ def _mlp(p: MLPParams, j: int, h: jax.Array) -> jax.Array:
 def _attend(q, keys, values, mask):
     """Masked softmax attention, scores and softmax in fp32.
 
-    q [B, T, K, G, H]; keys, values [B, S, K, H]; mask [B, T, S] bool. Returns [B, T, K, G, H].
+    q [B, T, K, G, H]; keys, values [B, K, S, H]; mask [B, T, S] bool. Returns [B, T, K, G, H].
     """
     act = q.dtype
     scale = q.shape[-1] ** -0.5
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(act), preferred_element_type=F32)
+    scores = jnp.einsum("btkgh,bksh->bkgts", q, keys.astype(act), preferred_element_type=F32)
     scores = jnp.where(mask[:, None, None], scores * scale, jnp.finfo(F32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(act)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(act), preferred_element_type=F32)
-    return out.astype(act)
+    # [B, K, G, T, H] first, then moved: XLA:CPU has no bf16 x bf16 -> fp32 dot for "->btkgh".
+    out = jnp.einsum("bkgts,bksh->bkgth", probs, values.astype(act), preferred_element_type=F32)
+    return jnp.moveaxis(out, 3, 1).astype(act)
 
 
 def _attn(p: AttnParams, j: int, h, k_cache, v_cache, pos, valid, cfg: LLMConfig):
     """Attention layer j over new positions h [B, T, D], starting at cache row pos [B].
 
-    Writes the new keys/values into rows ``pos + t`` of layer j of the stacked caches
-    [B, L_a, S, K, H] (rows at or past S, and invalid positions, are dropped), then attends
-    causally over the rows written so far. Returns (k_cache, v_cache, out [B, T, D]).
+    Writes the new keys/values into rows ``pos + t`` of layer j's caches [B, K, S, H] in place
+    (rows at or past S, and invalid positions, are dropped: a row that does not run leaves its
+    cache bit-identical), then attends causally over the rows written so far.
+    Returns (k_cache, v_cache, out [B, T, D]).
     """
     Bsz, T = h.shape[:2]
     K, H = cfg.n_kv_heads, cfg.head_dim
@@ -472,10 +461,11 @@ def _attn(p: AttnParams, j: int, h, k_cache, v_cache, pos, valid, cfg: LLMConfig
     rows = pos[:, None] + jnp.arange(T)[None]  # [B, T]
     write = jnp.where(valid, rows, S)  # out of range: dropped
     slot = jnp.arange(Bsz)[:, None]
-    k_cache = k_cache.at[slot, j, write].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[slot, j, write].set(v.astype(v_cache.dtype), mode="drop")
+    # Advanced indices on axes 0 and 2 around a slice: the update is [B, T, K, H].
+    k_cache = k_cache.at[slot, :, write].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[slot, :, write].set(v.astype(v_cache.dtype), mode="drop")
     mask = jnp.arange(S)[None, None] <= rows[..., None]  # [B, T, S] causal, NoPE
-    o = _attend(q, k_cache[:, j], v_cache[:, j], mask)
+    o = _attend(q, k_cache, v_cache, mask)
     return k_cache, v_cache, dense(o.reshape(Bsz, T, -1), p.o[j])
 
 
@@ -527,23 +517,23 @@ def prefill(
     lengths = jnp.full((Bsz,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     valid = jnp.arange(T)[None] < lengths[:, None]  # [B, T]
     pos = state.length
-    ssm, conv, kc, vc = state.ssm, state.conv, state.k, state.v
+    ssm, conv, kc, vc = list(state.ssm), state.conv, list(state.k), list(state.v)
     x = embeds.astype(F32)
     for kind, j in _layer_slots(cfg):
         if kind == "M":
             h = _block_norm(params.mamba.norm[j], x, act, cfg)
-            c_j, s_j, out = _mamba_prefill(
-                params.mamba, j, h, conv[:, j], ssm[:, j], valid, lengths, cfg, chunk
+            c_j, ssm[j], out = _mamba_prefill(
+                params.mamba, j, h, conv[:, j], ssm[j], valid, lengths, cfg, chunk
             )
-            conv, ssm = conv.at[:, j].set(c_j), ssm.at[:, j].set(s_j)
+            conv = conv.at[:, j].set(c_j)
         elif kind == "-":
             out = _mlp(params.mlp, j, _block_norm(params.mlp.norm[j], x, act, cfg))
         else:
             h = _block_norm(params.attn.norm[j], x, act, cfg)
-            kc, vc, out = _attn(params.attn, j, h, kc, vc, pos, valid, cfg)
+            kc[j], vc[j], out = _attn(params.attn, j, h, kc[j], vc[j], pos, valid, cfg)
         x = x + out.astype(F32)
     hidden = rms_norm(x, params.norm_f, cfg.norm_eps)
-    new = NanoState(ssm=ssm, conv=conv, k=kc, v=vc, length=pos + lengths)
+    new = NanoState(ssm=tuple(ssm), conv=conv, k=tuple(kc), v=tuple(vc), length=pos + lengths)
     return new, hidden
 
 
@@ -551,43 +541,54 @@ def step(
     params: NanoParams,
     state: NanoState,
     embeds: jax.Array,
+    run: jax.Array | None = None,
     *,
     cfg: LLMConfig,
     ssm_kernel: str = "xla",
 ) -> tuple[NanoState, jax.Array]:
-    """Advance every slot by one frame (the recurrent path).
+    """Advance the slots in ``run`` by one frame (the recurrent path), in place.
 
     Args:
       params: the LLM params.
       state: the slots' state; each slot's attention cache must have room (``length < S``): a row
         past the cache is not stored.
       embeds: [B, D] this frame's LLM input (``input_embedding``), any float dtype.
+      run: [B] bool, the slots that advance (default all). The others keep every leaf of their
+        state bit-identical (each update masks itself: dt = 0, dropped KV rows, selects on the
+        small leaves); their hidden state is computed but meaningless.
       cfg: the LLM config (static).
       ssm_kernel: the Mamba recurrent update (static): 'xla' (jnp) or 'pallas' (the
         ``pallas_kernels.ssm_step`` kernel, state updated in place; interpreted on the CPU).
 
     Returns:
-      The new state (``length + 1``) and the final hidden state (after ``norm_f``) [B, D], fp32.
+      The new state (``length + run``) and the final hidden state (after ``norm_f``) [B, D], fp32.
     """
     if ssm_kernel not in SSM_KERNELS:
         raise ValueError(f"ssm_kernel must be one of {SSM_KERNELS}: {ssm_kernel!r}")
     Bsz = embeds.shape[0]
+    run = jnp.ones((Bsz,), bool) if run is None else run
     act = params.embed.dtype
     pos = state.length
-    ssm, conv, kc, vc = state.ssm, state.conv, state.k, state.v
-    valid = jnp.ones((Bsz, 1), bool)
+    ssm, conv, kc, vc = list(state.ssm), state.conv, list(state.k), list(state.v)
     x = embeds.astype(F32)
     for kind, j in _layer_slots(cfg):
         if kind == "M":
             h = _block_norm(params.mamba.norm[j], x, act, cfg)
-            c_j, ssm, out = _mamba_step(params.mamba, j, h, conv[:, j], ssm, cfg, ssm_kernel)
+            c_j, ssm[j], out = _mamba_step(
+                params.mamba, j, h, conv[:, j], ssm[j], run, cfg, ssm_kernel
+            )
             conv = conv.at[:, j].set(c_j)
         elif kind == "-":
             out = _mlp(params.mlp, j, _block_norm(params.mlp.norm[j], x, act, cfg))
         else:
             h = _block_norm(params.attn.norm[j], x, act, cfg)
-            kc, vc, out = _attn(params.attn, j, h[:, None], kc, vc, pos, valid, cfg)
+            kc[j], vc[j], out = _attn(
+                params.attn, j, h[:, None], kc[j], vc[j], pos, run[:, None], cfg
+            )
             out = out[:, 0]
         x = x + out.astype(F32)
     hidden = rms_norm(x, params.norm_f, cfg.norm_eps)
-    return NanoState(ssm=ssm, conv=conv, k=kc, v=vc, length=pos + 1), hidden
+    new = NanoState(
+        ssm=tuple(ssm), conv=conv, k=tuple(kc), v=tuple(vc), length=pos + run.astype(jnp.int32)
+    )
+    return new, hidden

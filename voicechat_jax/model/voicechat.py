@@ -106,16 +106,38 @@ class FrameOutputs:
 
 
 def listen_frame(
-    params: ModelParams, llm_state, text_prev, func_prev, audio_proj, *, cfg, ssm_kernel="xla"
+    params: ModelParams,
+    llm_state,
+    text_prev,
+    func_prev,
+    audio_proj,
+    run=None,
+    *,
+    cfg,
+    ssm_kernel="xla",
 ):
     """One LLM frame: input sum, Nano step, greedy heads (``DuplexSTTStreamingInference``).
 
-    ``ssm_kernel`` ('xla' | 'pallas', static) picks the Mamba step update (``nano.step``).
+    ``run`` [B] bool masks the state update (``nano.step``); ``ssm_kernel`` ('xla' | 'pallas',
+    static) picks the Mamba step update.
     """
     e = nano.input_embedding(params.llm, text_prev, func_prev, audio_proj, cfg=cfg.llm)
-    llm_state, h = nano.step(params.llm, llm_state, e, cfg=cfg.llm, ssm_kernel=ssm_kernel)
+    llm_state, h = nano.step(params.llm, llm_state, e, run, cfg=cfg.llm, ssm_kernel=ssm_kernel)
     text, func = nano.greedy(params.llm, h)
     return llm_state, text, func, h
+
+
+def keep_rows(run: jax.Array, new, old):
+    """``new`` where ``run`` [B] is set, ``old`` elsewhere, over a small pytree (slot axis first).
+
+    Only for the small leaves (encoder, RNNT, codec, tokens): each select reads both and writes
+    one leaf-sized array. The large caches mask their own updates instead.
+    """
+
+    def sel(n, o):
+        return jnp.where(run.reshape(run.shape + (1,) * (o.ndim - 1)), n, o)
+
+    return jax.tree_util.tree_map(sel, new, old)
 
 
 def advance(
@@ -123,6 +145,7 @@ def advance(
     state: FrameState,
     audio: jax.Array,
     key: jax.Array,
+    run: jax.Array | None = None,
     *,
     cfg: ModelConfig,
     precision: Precision,
@@ -130,33 +153,48 @@ def advance(
     attention: str = "xla",
     ssm_kernel: str = "xla",
 ) -> tuple[FrameState, FrameOutputs]:
-    """Advance every row by ``T = audio.shape[1] // 1280`` frames.
+    """Advance the rows in ``run`` by ``T = audio.shape[1] // 1280`` frames, in place.
 
     Args:
       audio: [B, T * 1280] float32 at 16 kHz.
       key: [B, 2] uint32 per-session sampling keys; frame ``n`` of a session samples with
         ``fold_in(key, n)``, so a session's output never depends on its neighbours.
+      run: [B] bool, the rows that advance (default all). Every leaf of the others comes back
+        bit-identical: each update masks itself where it happens (no select over the whole
+        state), so under ``jit`` with the state donated the state is updated in place. Their
+        outputs are meaningless.
       ssm_kernel: the LLM's Mamba step update, 'xla' | 'pallas' (``ServeConfig.ssm_kernel``).
     """
     del attention  # one implementation for now; the switch lives in ServeConfig
+    B = audio.shape[0]
+    run = jnp.ones((B,), bool) if run is None else run
     enc_state, enc, proj = conformer.encoder_step(
         params.encoder, state.encoder, audio, cfg=cfg.encoder, precision=precision
     )
+    enc_state = keep_rows(run, enc_state, state.encoder)
     rnnt_state, transcript, n_transcript = rnnt.rnnt_step(
         params.rnnt, state.rnnt, enc, cfg=cfg.rnnt
     )
+    rnnt_state = keep_rows(run, rnnt_state, state.rnnt)
+    step = run.astype(jnp.int32)
 
     def one(carry, xs):
         llm_state, tts_state, text_prev, func_prev, frame = carry
         a_t = xs
         llm_state, text, func, _ = listen_frame(
-            params, llm_state, text_prev, func_prev, a_t, cfg=cfg, ssm_kernel=ssm_kernel
+            params, llm_state, text_prev, func_prev, a_t, run, cfg=cfg, ssm_kernel=ssm_kernel
         )
         frame_keys = None if deterministic else _frame_keys(key, frame)
         tts_state, codes, dec_codes = ear_tts.tts_step(
-            params.tts, tts_state, text, frame_keys, cfg=cfg, deterministic=deterministic
+            params.tts, tts_state, text, frame_keys, run, cfg=cfg, deterministic=deterministic
         )
-        return (llm_state, tts_state, text, func, frame + 1), (text, func, codes, dec_codes)
+        text_prev, func_prev = keep_rows(run, (text, func), (text_prev, func_prev))
+        return (llm_state, tts_state, text_prev, func_prev, frame + step), (
+            text,
+            func,
+            codes,
+            dec_codes,
+        )
 
     carry = (state.llm, state.tts, state.text_prev, state.func_prev, state.frame)
     carry, (text, func, codes, dec_codes) = jax.lax.scan(one, carry, jnp.swapaxes(proj, 0, 1))
@@ -164,6 +202,7 @@ def advance(
     codec_state, wav = codec.decode_step(
         params.codec, state.codec, jnp.swapaxes(dec_codes, 0, 1), cfg=cfg.codec
     )
+    codec_state = keep_rows(run, codec_state, state.codec)
     new_state = FrameState(
         encoder=enc_state,
         llm=llm_state,

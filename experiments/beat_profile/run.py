@@ -1,0 +1,105 @@
+"""Where each millisecond of a beat goes: serving latency, whole-tick device time and every
+component against its byte floor, for several slot counts, in one process. See README.md.
+
+Per slot count B (one engine, the state allocated once): (1) the real-time server for each loop in
+``--loops`` (``experiments/beat_latency``'s ``measure``: p50/p99/max, misses, memory); (2) the
+dispatch tick's device time back to back; (3) admission; (4) every component alone on the
+engine's own state (``components.profile``, which consumes the state). Rows go to ``--out`` as JSON
+lines; a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+from experiments.beat_latency import run as beat_latency
+from experiments.beat_profile import components
+from voicechat_jax import config as config_lib
+from voicechat_jax.precision import Precision
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("slots", ["1", "16", "32", "56", "112"], "Slot counts (sessions = slots).")
+flags.DEFINE_integer("repeats", 10, "Timed calls per component (median).")
+flags.DEFINE_integer("tick_repeats", 10, "Back-to-back ticks timed for the device tick time.")
+flags.DEFINE_list("serve_slots", ["16", "32", "56", "112"], "Slot counts also served on the clock.")
+
+
+def tick_device_ms(engine, repeats: int) -> list[float]:
+    """Each dispatch tick's wall time, blocking on its outputs (no host work in between)."""
+    engine.reset()
+    beat = engine.empty_beat()
+    beat.admit[:] = True  # every slot live, admitted on the first (untimed) tick
+    out = engine.tick(beat)
+    jax.block_until_ready(out)
+    beat = engine.empty_beat()
+    times = []
+    for _ in range(repeats + 2):
+        t = time.perf_counter()
+        out = engine.tick(beat)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) * 1e3)
+    return times[2:]
+
+
+def _write(row: dict) -> None:
+    logging.info("%s", row)
+    if FLAGS.out:
+        with open(FLAGS.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def main(argv):
+    del argv
+    cfg = config_lib.PRESETS[FLAGS.model]()
+    precision = Precision.reference()
+    params = beat_latency.init_params(cfg, precision)
+    copy = components.device_copy_tbps(gib=4.0 if jax.default_backend() == "gpu" else 0.25)
+    _write({"kind": "copy", "tbps": copy, "device": jax.devices()[0].device_kind})
+    template = None
+    served, profiles = [], []
+    for B in (int(x) for x in FLAGS.slots):
+        try:
+            engine = beat_latency.make_engine(params, cfg, precision, B, template)
+        except Exception as e:  # a slot count that does not fit is a result, not a crash
+            _write({"kind": "error", "slots": B, "error": str(e).splitlines()[0][:300]})
+            continue
+        template = engine.template
+        if str(B) in FLAGS.serve_slots:
+            for loop in FLAGS.loops:
+                row = beat_latency.measure(engine, loop) | {"kind": "serve"}
+                served.append(row)
+                _write(row)
+        engine.compile_tick()
+        ticks = tick_device_ms(engine, FLAGS.tick_repeats)
+        tick_ms = float(np.median(ticks)) / engine.serve.frames_per_tick
+        _write({"kind": "tick", "slots": B, "ms_per_frame_step": tick_ms, "ms": ticks})
+        rows = [components.admission_ms(engine, repeats=FLAGS.repeats)]
+        rows += components.profile(engine, repeats=FLAGS.repeats)
+        for r in rows:
+            d = {"kind": "component", **r.__dict__, "tbps": r.tbps, "copy_tbps": copy}
+            d["share"] = r.ms / tick_ms
+            _write(d)
+        profiles.append((B, tick_ms, rows))
+        del engine
+    if served:
+        beat_latency.print_table(served)
+    print(f"device copy {copy:.2f} TB/s")
+    for B, tick_ms, rows in profiles:
+        total = sum(r.ms for r in rows)
+        print(f"B={B}: tick {tick_ms:.2f} ms per frame-step, components sum {total:.2f} ms")
+        for r in rows:
+            print(
+                f"  {r.component:44} {r.ms:8.3f} ms {r.bytes / 1e9:8.3f} GB "
+                f"{r.tbps:5.2f} TB/s {100 * r.ms / tick_ms:5.1f} %"
+            )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    app.run(main)
