@@ -81,5 +81,8 @@ def test_plan_refuses_slots_that_do_not_fit(engine):
 
 def test_shared_template_equals_a_fresh_one(engine):
     again = build_template(engine.params, CFG, SERVE, PREC)
-    for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(engine.template)):
+    leaves = zip(
+        jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(engine.template), strict=True
+    )
+    for a, b in leaves:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
