@@ -33,7 +33,7 @@ from voicechat_jax.keys import KeyRule, load_params
 from voicechat_jax.keys.table import release_table
 from voicechat_jax.model import char_encoder, voicechat
 from voicechat_jax.precision import Precision
-from voicechat_jax.release_config import to_release
+from voicechat_jax.release_config import config_to_release
 from voicechat_jax.serving import audio as audio_lib
 
 F32 = Precision.fp32()
@@ -229,7 +229,7 @@ def test_full_size_plan_consumes_every_release_key_once(full_shapes, tmp_path):
     shard larger than the biggest single leaf (host memory bound)."""
     shapes = full_shapes
     assert len(shapes) == 1632
-    data = _header_only_release(tmp_path / "release", shapes, to_release(voicechat_11b())[0])
+    data = _header_only_release(tmp_path / "release", shapes, config_to_release(voicechat_11b())[0])
     release = conv.Release(str(tmp_path / "release" / "model.safetensors"))
     cfg, _, _ = conv.read_config(str(tmp_path / "release"), None)
     assert cfg == voicechat_11b()
@@ -254,7 +254,7 @@ def test_full_size_llm_that_is_not_the_built_in_one(full_shapes, tmp_path):
     """Without --llm_config the built-in 9B sizes must match the tensors; the message says so."""
     shapes = dict(full_shapes)
     shapes["stt_model.llm.layers.1.mixer.up_proj.weight"] = (15680 + 64, 4480)
-    _header_only_release(tmp_path / "release", shapes, to_release(voicechat_11b())[0])
+    _header_only_release(tmp_path / "release", shapes, config_to_release(voicechat_11b())[0])
     with pytest.raises(
         conv.ConversionError, match=r"pass --llm_config\): .*up_proj\.weight: shape"
     ):
