@@ -23,7 +23,7 @@ from voicechat_jax.keys import fill, to_layout
 from voicechat_jax.model import conformer
 from voicechat_jax.model.common import count_params
 from voicechat_jax.precision import Precision
-from voicechat_jax.release_config import to_release
+from voicechat_jax.release_config import config_to_release
 
 torch = pytest.importorskip("torch")
 
@@ -41,11 +41,11 @@ def _rel(a, b) -> float:
 
 def _perception_cfg(enc: EncoderConfig):
     """The release's perception options (``config.json`` ``perception``) at ``enc``'s sizes,
-    as ``release_config.to_release`` writes them."""
+    as ``release_config.config_to_release`` writes them."""
     from omegaconf import OmegaConf
 
     base = CFG if enc.output_dim == CFG.llm.d_model else voicechat_11b()
-    release, _ = to_release(dataclasses.replace(base, encoder=enc))
+    release, _ = config_to_release(dataclasses.replace(base, encoder=enc))
     return OmegaConf.create(release["model"]["stt"]["model"]["perception"])
 
 

@@ -29,11 +29,11 @@ from tests.reference import nemo_ref
 from voicechat_jax import checkpoint as ckpt
 from voicechat_jax import convert as conv
 from voicechat_jax.config import voicechat_11b
-from voicechat_jax.keys import KeyRule
+from voicechat_jax.keys import KeyRule, load_params
 from voicechat_jax.keys.table import release_table
 from voicechat_jax.model import char_encoder, voicechat
 from voicechat_jax.precision import Precision
-from voicechat_jax.release_config import to_release
+from voicechat_jax.release_config import config_to_release
 from voicechat_jax.serving import audio as audio_lib
 
 F32 = Precision.fp32()
@@ -86,7 +86,7 @@ def converted(release, tmp_path_factory):
 def reference_params(nemo_tiny, tiny_cfg, release):
     """What the parity tests load: NeMo's state dict through the key table, in fp32."""
     chars = char_encoder.char_table(release["tokenizer"])
-    return voicechat.from_release(tiny_cfg, nemo_ref.release_state_dict(nemo_tiny), F32, chars)
+    return load_params(tiny_cfg, nemo_ref.release_state_dict(nemo_tiny), F32, chars)
 
 
 def test_restored_params_equal_the_key_table_load(converted, reference_params, tiny_cfg):
@@ -118,9 +118,7 @@ def test_reference_precision_casts_each_leaf_to_its_policy(release, nemo_tiny, t
     )
     _, params, _ = ckpt.restore(dst, ref_precision)
     chars = char_encoder.char_table(release["tokenizer"])
-    want = voicechat.from_release(
-        tiny_cfg, nemo_ref.release_state_dict(nemo_tiny), ref_precision, chars
-    )
+    want = load_params(tiny_cfg, nemo_ref.release_state_dict(nemo_tiny), ref_precision, chars)
     ours, ref = _leaves(params), _leaves(want)
     tree = voicechat.abstract(tiny_cfg, ref_precision)
     abstract = dict(zip(ckpt.leaf_paths(tree), jax.tree_util.tree_leaves(tree), strict=True))
@@ -231,7 +229,7 @@ def test_full_size_plan_consumes_every_release_key_once(full_shapes, tmp_path):
     shard larger than the biggest single leaf (host memory bound)."""
     shapes = full_shapes
     assert len(shapes) == 1632
-    data = _header_only_release(tmp_path / "release", shapes, to_release(voicechat_11b())[0])
+    data = _header_only_release(tmp_path / "release", shapes, config_to_release(voicechat_11b())[0])
     release = conv.Release(str(tmp_path / "release" / "model.safetensors"))
     cfg, _, _ = conv.read_config(str(tmp_path / "release"), None)
     assert cfg == voicechat_11b()
@@ -256,7 +254,7 @@ def test_full_size_llm_that_is_not_the_built_in_one(full_shapes, tmp_path):
     """Without --llm_config the built-in 9B sizes must match the tensors; the message says so."""
     shapes = dict(full_shapes)
     shapes["stt_model.llm.layers.1.mixer.up_proj.weight"] = (15680 + 64, 4480)
-    _header_only_release(tmp_path / "release", shapes, to_release(voicechat_11b())[0])
+    _header_only_release(tmp_path / "release", shapes, config_to_release(voicechat_11b())[0])
     with pytest.raises(
         conv.ConversionError, match=r"pass --llm_config\): .*up_proj\.weight: shape"
     ):

@@ -12,7 +12,7 @@ import torch
 
 from tests.reference import nemo_ref
 from voicechat_jax.config import EOS_ID, PAD_ID
-from voicechat_jax.release_config import from_release
+from voicechat_jax.release_config import config_from_release
 
 
 def rel_err(a, b) -> float:
@@ -212,7 +212,7 @@ def test_save_release_round_trip(nemo_tiny, tiny_cfg, tmp_path):
     assert "Nemotron" in llm_dir
     with open(f"{llm_dir}/config.json") as f:
         llm = json.load(f)
-    assert from_release(release, llm) == tiny_cfg
+    assert config_from_release(release, llm) == tiny_cfg
     tensors = load_file(str(tmp_path / "model.safetensors"))
     sd = nemo_ref.release_state_dict(nemo_tiny)
     assert sorted(tensors) == sorted(sd)

@@ -18,6 +18,7 @@ import pytest
 
 from tests.reference import nemo_ref
 from voicechat_jax.config import EOS_ID, PAD_ID
+from voicechat_jax.keys import load_params
 from voicechat_jax.model import char_encoder, codec, conformer, ear_tts, nano, rnnt, voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import audio as audio_lib
@@ -49,9 +50,7 @@ def params(nemo_tiny, tiny_cfg):
     """Our params from NeMo's release-layout state dict, through the release key table."""
     tokenizer_dir = nemo_tiny.release_cfg["model"]["stt"]["model"]["pretrained_llm"]
     chars = char_encoder.char_table(tokenizer_dir)
-    return voicechat.from_release(
-        tiny_cfg, nemo_ref.release_state_dict(nemo_tiny), F32, np.asarray(chars)
-    )
+    return load_params(tiny_cfg, nemo_ref.release_state_dict(nemo_tiny), F32, np.asarray(chars))
 
 
 @pytest.fixture(scope="module")

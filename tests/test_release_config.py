@@ -14,9 +14,9 @@ from voicechat_jax.release_config import (
     BACKBONE,
     ENC,
     NANO_9B_V2,
-    from_release,
+    config_from_release,
+    config_to_release,
     read_release,
-    to_release,
 )
 
 
@@ -37,22 +37,22 @@ def _set(tree: dict, path: str, value) -> None:
 @pytest.mark.parametrize("preset", [tiny, voicechat_11b])
 def test_round_trip(preset):
     cfg = preset()
-    release, llm = to_release(cfg, pretrained_llm="test/Tiny-Nemotron-H")
+    release, llm = config_to_release(cfg, pretrained_llm="test/Tiny-Nemotron-H")
     # through JSON, as the files are: Infinity, tuples -> lists, ints vs floats
     release, llm = json.loads(json.dumps(release)), json.loads(json.dumps(llm))
-    assert from_release(release, llm) == cfg
+    assert config_from_release(release, llm) == cfg
 
 
 def test_11b_without_llm_config_uses_the_known_llm():
-    release, _ = to_release(voicechat_11b())
+    release, _ = config_to_release(voicechat_11b())
     assert release["model"]["stt"]["model"]["pretrained_llm"] == NANO_9B_V2
-    assert from_release(release) == voicechat_11b()
+    assert config_from_release(release) == voicechat_11b()
 
 
 def test_other_llm_without_its_config_raises():
-    release, _ = to_release(tiny(), pretrained_llm="test/Tiny-Nemotron-H")
+    release, _ = config_to_release(tiny(), pretrained_llm="test/Tiny-Nemotron-H")
     with pytest.raises(ValueError, match="llm_cfg"):
-        from_release(release)
+        config_from_release(release)
 
 
 @pytest.mark.parametrize(
@@ -67,17 +67,17 @@ def test_other_llm_without_its_config_raises():
     ],
 )
 def test_missing_needed_key_raises_naming_it(path):
-    release, llm = to_release(tiny(), pretrained_llm="test/Tiny-Nemotron-H")
+    release, llm = config_to_release(tiny(), pretrained_llm="test/Tiny-Nemotron-H")
     _delete(release, path)
     with pytest.raises(ValueError, match=path.replace(".", r"\.")):
-        from_release(release, llm)
+        config_from_release(release, llm)
 
 
 def test_missing_llm_key_raises_naming_it():
-    release, llm = to_release(tiny(), pretrained_llm="test/Tiny-Nemotron-H")
+    release, llm = config_to_release(tiny(), pretrained_llm="test/Tiny-Nemotron-H")
     del llm["mamba_head_dim"]
     with pytest.raises(ValueError, match="mamba_head_dim"):
-        from_release(release, llm)
+        config_from_release(release, llm)
 
 
 @pytest.mark.parametrize(
@@ -91,21 +91,21 @@ def test_missing_llm_key_raises_naming_it():
     ],
 )
 def test_unimplemented_value_raises(path, value):
-    release, llm = to_release(tiny(), pretrained_llm="test/Tiny-Nemotron-H")
+    release, llm = config_to_release(tiny(), pretrained_llm="test/Tiny-Nemotron-H")
     _set(release, path, value)
     with pytest.raises(ValueError, match=path.replace(".", r"\.")):
-        from_release(release, llm)
+        config_from_release(release, llm)
 
 
 def test_finite_dt_limit_raises():
-    release, llm = to_release(tiny(), pretrained_llm="test/Tiny-Nemotron-H")
+    release, llm = config_to_release(tiny(), pretrained_llm="test/Tiny-Nemotron-H")
     llm["time_step_limit"] = [0.001, 0.1]
     with pytest.raises(ValueError, match="time_step_limit"):
-        from_release(release, llm)
+        config_from_release(release, llm)
 
 
 def test_unknown_keys_are_collected_and_logged_once(caplog):
-    release, llm = to_release(tiny(), pretrained_llm="test/Tiny-Nemotron-H")
+    release, llm = config_to_release(tiny(), pretrained_llm="test/Tiny-Nemotron-H")
     _set(release, "model.stt.model.some_new_knob", 3)
     llm["another_knob"] = True
     _, unused = read_release(release, llm)
@@ -114,7 +114,7 @@ def test_unknown_keys_are_collected_and_logged_once(caplog):
     # keys the port reads are not reported
     assert f"{ENC}.d_model" not in unused
     with caplog.at_level(logging.INFO, logger="absl"):
-        from_release(release, llm)
+        config_from_release(release, llm)
     reports = [r for r in caplog.records if "does not use" in r.getMessage()]
     assert len(reports) == 1
     assert "model.stt.model.some_new_knob" in reports[0].getMessage()
@@ -122,7 +122,7 @@ def test_unknown_keys_are_collected_and_logged_once(caplog):
 
 def test_library_defaults_fill_absent_keys():
     """A release backbone_config without Gemma-3's defaults reads like the 11B."""
-    release, _ = to_release(voicechat_11b())
+    release, _ = config_to_release(voicechat_11b())
     for key in (
         "rms_norm_eps",
         "query_pre_attn_scalar",
@@ -131,31 +131,31 @@ def test_library_defaults_fill_absent_keys():
         "rope_local_base_freq",
     ):
         _delete(release, f"{BACKBONE}.{key}")
-    assert from_release(release) == voicechat_11b()
+    assert config_from_release(release) == voicechat_11b()
 
 
 def test_layer_types_list_sets_the_global_layers():
     cfg = voicechat_11b()
-    release, _ = to_release(cfg)
+    release, _ = config_to_release(cfg)
     _delete(release, f"{BACKBONE}.sliding_window_pattern")
     kinds = ("sliding_attention", "full_attention")
     _set(release, f"{BACKBONE}.layer_types", [kinds[g] for g in cfg.tts.layer_is_global])
-    assert from_release(release) == cfg
+    assert config_from_release(release) == cfg
     bad = copy.deepcopy(release)
     bad_types = [kinds[g] for g in cfg.tts.layer_is_global]
     bad_types[0] = "full_attention"
     _set(bad, f"{BACKBONE}.layer_types", bad_types)
     with pytest.raises(ValueError, match="periodic"):
-        from_release(bad)
+        config_from_release(bad)
 
 
 @pytest.mark.parametrize("preset", [tiny, voicechat_11b])
 def test_transformers_reads_what_we_wrote(preset):
-    """The HF configs NeMo builds from ``to_release`` have the ModelConfig's structure."""
+    """The HF configs NeMo builds from ``config_to_release`` have the ModelConfig's structure."""
     from transformers import Gemma3TextConfig, NemotronHConfig, T5GemmaModuleConfig
 
     cfg = preset()
-    release, llm = to_release(cfg, pretrained_llm="test/Tiny-Nemotron-H")
+    release, llm = config_to_release(cfg, pretrained_llm="test/Tiny-Nemotron-H")
     tts = release["model"]["speech_generation"]["model"]["tts_config"]
     gemma = Gemma3TextConfig(**tts["backbone_config"])
     assert [t == "full_attention" for t in gemma.layer_types] == list(cfg.tts.layer_is_global)

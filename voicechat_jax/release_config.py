@@ -16,9 +16,12 @@ Reading rules (style.md "Config"):
   ``ValueError`` naming the path and the value;
 - every key that is not read is collected and logged once as one list.
 
-``to_release`` writes the inverse: a config that NeMo 3.0's ``NemotronVoiceChat(cfg)`` builds
-offline (no pretrained weights are fetched), laid out as the release is, plus the LLM's
-``config.json``. ``from_release(*to_release(c)) == c``.
+``config_to_release`` writes the inverse: a config that NeMo 3.0's ``NemotronVoiceChat(cfg)``
+builds offline (no pretrained weights are fetched), laid out as the release is, plus the LLM's
+``config.json``. ``config_from_release(*config_to_release(c)) == c``. Each section's reader
+(``_read_mel``, ``_read_encoder``, ``_read_llm``, ``_read_rnnt``, ``_read_codec``, ``_read_tts``)
+has its writer beside it (``_write_mel``, ..., ``llm_config``, ``codec_config``), so the round trip
+reads as one table.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ MOG = f"{TTS}.mog_head_config"
 CODEC = f"{SPEECH_MODEL}.codec_config"
 RNNT = "_rnnt_merge_info"
 
-# NeMo class paths written by ``to_release``.
+# NeMo class paths written by ``config_to_release``.
 _PERCEPTION_CLS = "nemo.collections.speechlm2.modules.perception.AudioPerceptionModule"
 _MEL_CLS = "nemo.collections.asr.modules.AudioToMelSpectrogramPreprocessor"
 _CONFORMER_CLS = "nemo.collections.asr.modules.ConformerEncoder"
@@ -194,12 +197,21 @@ def _token_name(i: int) -> str:
     return {BOS_ID: "<s>", EOS_ID: "</s>"}.get(i, f"<SPECIAL_{i}>")
 
 
+def _token_names(llm: LLMConfig) -> dict:
+    """The special tokens as both sections of the release name them."""
+    return {
+        "bos_token": _token_name(llm.bos_id),
+        "eos_token": _token_name(llm.eos_id),
+        "pad_token": _token_name(llm.pad_id),
+    }
+
+
 # ---------------------------------------------------------------------------------------------
-# release -> ModelConfig
+# release <-> ModelConfig: the whole file, then each section's reader with its writer beside it
 
 
 def read_release(release_cfg: dict, llm_cfg: dict | None = None) -> tuple[ModelConfig, list[str]]:
-    """``from_release`` plus the dotted paths of the keys it did not read (release, then LLM)."""
+    """``config_from_release`` plus the dotted paths of the keys not read (release, then LLM)."""
     r = _Reader(release_cfg, "release config.json")
     frame_s = float(r.need("data.frame_length"))
     frame_ms = _integral(frame_s * 1000, "data.frame_length")
@@ -214,7 +226,7 @@ def read_release(release_cfg: dict, llm_cfg: dict | None = None) -> tuple[ModelC
     return cfg, unused
 
 
-def from_release(release_cfg: dict, llm_cfg: dict | None = None) -> ModelConfig:
+def config_from_release(release_cfg: dict, llm_cfg: dict | None = None) -> ModelConfig:
     """``ModelConfig`` of a release ``config.json`` (and the LLM's ``config.json``).
 
     Without ``llm_cfg`` the LLM must be ``nvidia/NVIDIA-Nemotron-Nano-9B-v2``, whose sizes are
@@ -224,6 +236,55 @@ def from_release(release_cfg: dict, llm_cfg: dict | None = None) -> ModelConfig:
     if unused:
         logging.info("release config keys the port does not use (%d): %s", len(unused), unused)
     return cfg
+
+
+def config_to_release(cfg: ModelConfig, pretrained_llm: str = NANO_9B_V2) -> tuple[dict, dict]:
+    """(release ``config.json``, LLM ``config.json``) for ``cfg``; NeMo 3.0 builds the first.
+
+    ``pretrained_llm`` is the id NeMo resolves through ``AutoConfig``/``AutoTokenizer``; keep
+    "Nemotron" in it (NeMo's Nemotron code paths key on it). Paths that NeMo reads but that carry
+    no architecture (log directories) are set to ".".
+    """
+    if "Nemotron" not in pretrained_llm:
+        raise ValueError(f"pretrained_llm {pretrained_llm!r} must contain 'Nemotron'")
+    _check_expressible(cfg)
+    release = {
+        "data": {
+            "frame_length": cfg.frame_ms / 1000,
+            "source_sample_rate": cfg.encoder.mel.sample_rate,
+            "target_sample_rate": cfg.codec.sample_rate,
+        },
+        "exp_manager": {"explicit_log_dir": "."},
+        "trainer": {},
+        "model": {
+            "inference_speaker_name": cfg.tts.speaker_name,
+            "inference_speaker_reference": None,
+            "stt": _write_llm(cfg, pretrained_llm),
+            "speech_generation": _write_tts(cfg, pretrained_llm),
+        },
+        RNNT: _write_rnnt(cfg.rnnt),
+    }
+    return release, llm_config(cfg)
+
+
+def _check_expressible(cfg: ModelConfig) -> None:
+    """Fields the release config cannot carry must keep the values NeMo derives or fixes."""
+    d_enc, d_rnnt, d_tts = EncoderConfig(), RNNTConfig(), SpeechDecoderConfig()
+    fixed = (
+        ("encoder.pre_encode_cache", cfg.encoder.pre_encode_cache, d_enc.pre_encode_cache),
+        ("encoder.drop_pre_encoded", cfg.encoder.drop_pre_encoded, d_enc.drop_pre_encoded),
+        ("encoder.ln_eps", cfg.encoder.ln_eps, d_enc.ln_eps),
+        ("rnnt.max_symbols", cfg.rnnt.max_symbols, d_rnnt.max_symbols),
+        # the char vocabulary is the tokenizer's 256 single characters + padding
+        ("tts.char_vocab", cfg.tts.char_vocab, d_tts.char_vocab),
+        # NeMo 3.0 runs the char encoder with HF's default attention, which drops the softcap
+        ("tts.cas_apply_softcap", cfg.tts.cas_apply_softcap, d_tts.cas_apply_softcap),
+        # GatedProjectedSumRMSNorm keeps its default num_codebooks (RVQEARTTSModel's call)
+        ("tts.fusion_audio_divisor", cfg.tts.fusion_audio_divisor, d_tts.fusion_audio_divisor),
+    )
+    for name, value, want in fixed:
+        if value != want:
+            raise ValueError(f"the release config cannot express {name}={value!r} (NeMo: {want!r})")
 
 
 def _read_mel(r: _Reader, frame_s: float) -> MelConfig:
@@ -256,6 +317,29 @@ def _read_mel(r: _Reader, frame_s: float) -> MelConfig:
         log_zero_guard=_guard_value(r.get(f"{PRE}.log_zero_guard_value", 2.0**-24, mel_src)),
         samples_per_frame=_integral(frame_s * sr, "data.frame_length"),
     )
+
+
+def _write_mel(mel: MelConfig) -> dict:
+    """``_read_mel``'s ``preprocessor`` section (the sample rate's copies are in their sections)."""
+    return {
+        "_target_": _MEL_CLS,
+        "sample_rate": mel.sample_rate,
+        "normalize": "NA",
+        "window_size": mel.win_length / mel.sample_rate,
+        "window_stride": mel.hop_length / mel.sample_rate,
+        "window": "hann",
+        "features": mel.n_mels,
+        "n_fft": mel.n_fft,
+        "log": True,
+        "log_zero_guard_type": "add",
+        "log_zero_guard_value": mel.log_zero_guard,
+        "frame_splicing": 1,
+        "dither": 1e-05,
+        "pad_to": 0,
+        "pad_value": 0.0,
+        "preemph": mel.preemph,
+        "mag_power": mel.mag_power,
+    }
 
 
 def _guard_value(value: float | str) -> float:
@@ -308,6 +392,43 @@ def _read_encoder(r: _Reader, mel: MelConfig) -> EncoderConfig:
         pos_emb_max_len=int(r.get(f"{ENC}.pos_emb_max_len", 5000, src)),
         output_dim=int(r.need(f"{PERCEPTION}.output_dim")),
     )
+
+
+def _write_encoder(enc: EncoderConfig) -> dict:
+    """``_read_encoder``'s ``perception`` section, the mel preprocessor inside it."""
+    return {
+        "_target_": _PERCEPTION_CLS,
+        "output_dim": enc.output_dim,
+        "preprocessor": _write_mel(enc.mel),
+        "encoder": {
+            "_target_": _CONFORMER_CLS,
+            "feat_in": enc.mel.n_mels,
+            "feat_out": -1,
+            "n_layers": enc.n_layers,
+            "d_model": enc.d_model,
+            "subsampling": "dw_striding",
+            "subsampling_factor": enc.subsampling_factor,
+            "subsampling_conv_channels": enc.subsampling_channels,
+            "causal_downsampling": True,
+            "ff_expansion_factor": enc.ff_expansion,
+            "self_attention_model": "rel_pos",
+            "n_heads": enc.n_heads,
+            "att_context_size": [enc.att_left_context, 0],
+            "att_context_style": "chunked_limited",
+            "xscaling": enc.xscaling,
+            "untie_biases": True,
+            "pos_emb_max_len": enc.pos_emb_max_len,
+            "conv_kernel_size": enc.conv_kernel,
+            "conv_norm_type": "layer_norm",
+            "conv_context_size": "causal",
+            "use_bias": False,
+            "dropout": 0.1,
+            "dropout_pre_encoder": 0.1,
+            "dropout_emb": 0.0,
+            "dropout_att": 0.1,
+        },
+        "modality_adapter": {"_target_": _IDENTITY_CLS, "d_model": enc.d_model},
+    }
 
 
 def _read_llm(r: _Reader, llm_cfg: dict | None) -> tuple[LLMConfig, _Reader | None]:
@@ -395,6 +516,86 @@ def _read_llm(r: _Reader, llm_cfg: dict | None) -> tuple[LLMConfig, _Reader | No
     return llm, lr
 
 
+def _write_llm(cfg: ModelConfig, pretrained_llm: str) -> dict:
+    """``_read_llm``'s release keys: the ``model.stt`` section, the perception inside it.
+
+    The LLM's own sizes are ``llm_config``'s (its ``config.json``).
+    """
+    llm, mel = cfg.llm, cfg.encoder.mel
+    return {
+        "data": {"source_sample_rate": mel.sample_rate},
+        "exp_manager": {"explicit_log_dir": "."},
+        "model": {
+            "pretrained_llm": pretrained_llm,
+            "pretrained_weights": False,
+            "source_sample_rate": mel.sample_rate,
+            "validation_save_path": ".",
+            # transformers' native NemotronHForCausalLM: .model, whose input table is .embeddings
+            "llm_attr_name": "model",
+            "embed_tokens_attr_name": "embeddings",
+            "predict_user_text": False,
+            "use_function_head": llm.use_function_head,
+            "duplex_text_channel_weight": llm.text_weight,
+            "duplex_user_channel_weight": llm.user_weight,
+            "duplex_function_channel_weight": llm.function_weight,
+            **_token_names(llm),
+            "perception": _write_encoder(cfg.encoder),
+        },
+    }
+
+
+def llm_config(cfg: ModelConfig) -> dict:
+    """``_read_llm``'s LLM ``config.json`` (HF ``NemotronHConfig`` keys) of ``cfg.llm``.
+
+    ``time_step_min`` is tiny because transformers' ``nemotron_h`` clamps dt at it, which the
+    release's own model code does not (model-spec §8 "Mamba dt").
+    """
+    llm = cfg.llm
+    return {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "vocab_size": llm.vocab_size,
+        "hidden_size": llm.d_model,
+        "hybrid_override_pattern": llm.pattern,
+        "num_hidden_layers": llm.n_layers,
+        "num_attention_heads": llm.n_heads,
+        "num_key_value_heads": llm.n_kv_heads,
+        "head_dim": llm.head_dim,
+        "intermediate_size": llm.mlp_dim,
+        "mlp_hidden_act": "relu2",
+        "mamba_num_heads": llm.mamba_heads,
+        "mamba_head_dim": llm.mamba_head_dim,
+        "ssm_state_size": llm.ssm_state,
+        "n_groups": llm.n_groups,
+        "conv_kernel": llm.conv_kernel,
+        "expand": 2,
+        "chunk_size": 128,
+        "mamba_hidden_act": "silu",
+        "use_conv_bias": True,
+        "mamba_proj_bias": False,
+        "use_bias": False,
+        "mlp_bias": False,
+        "attention_bias": False,
+        "layer_norm_epsilon": llm.norm_eps,
+        "time_step_min": 1e-30,
+        "time_step_max": 0.1,
+        "time_step_floor": 1e-4,
+        "time_step_limit": [0.0, math.inf],
+        "mamba_ssm_cache_dtype": "float32",
+        "residual_in_fp32": False,
+        "rescale_prenorm_residual": True,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+        "bos_token_id": llm.bos_id,
+        "eos_token_id": llm.eos_id,
+        "pad_token_id": 0,
+        "use_cache": True,
+        "num_logits_to_keep": 1,
+        "initializer_range": 0.02,
+        "torch_dtype": "float32",
+    }
+
+
 def _read_rnnt(r: _Reader) -> RNNTConfig:
     dec, joint = f"{RNNT}.decoder_config", f"{RNNT}.joint_config"
     vocab = int(r.need(f"{dec}.vocab_size"))
@@ -411,6 +612,37 @@ def _read_rnnt(r: _Reader) -> RNNTConfig:
         encoder_hidden=int(r.need(f"{joint}.jointnet.encoder_hidden")),
         blank_as_pad=bool(r.get(f"{dec}.blank_as_pad", True, "NeMo RNNTDecoder")),
     )
+
+
+def _write_rnnt(rnnt: RNNTConfig) -> dict:
+    """``_read_rnnt``'s ``_rnnt_merge_info`` section."""
+    return {
+        "decoder_config": {
+            "_target_": _RNNT_DECODER_CLS,
+            "vocab_size": rnnt.vocab_size,
+            "blank_as_pad": rnnt.blank_as_pad,
+            "prednet": {
+                "pred_hidden": rnnt.pred_hidden,
+                "pred_rnn_layers": rnnt.pred_layers,
+                "dropout": 0.2,
+            },
+        },
+        "joint_config": {
+            "_target_": _RNNT_JOINT_CLS,
+            "num_classes": rnnt.vocab_size,
+            # the real list is the RNNT tokenizer's (rnnt_tokenizer/); placeholders here
+            "vocabulary": [f"<rnnt_{i}>" for i in range(rnnt.vocab_size)],
+            "jointnet": {
+                "joint_hidden": rnnt.joint_hidden,
+                "activation": "relu",
+                # dropout > 0 puts the output Linear at joint_net.2, as in the release
+                "dropout": 0.2,
+                "encoder_hidden": rnnt.encoder_hidden,
+                "pred_hidden": rnnt.pred_hidden,
+            },
+        },
+        "rnnt_vocab_size": rnnt.vocab_size,
+    }
 
 
 def _read_codec(r: _Reader) -> CodecConfig:
@@ -433,6 +665,24 @@ def _read_codec(r: _Reader) -> CodecConfig:
     )
     r.expect(f"{CODEC}.wav_to_token_ratio", (codec.samples_per_frame,))
     return codec
+
+
+def codec_config(codec: CodecConfig) -> dict:
+    """``_read_codec``'s section: what ``DuplexEARTTS`` hands to ``RVQVAEModel``."""
+    return {
+        "latent_size": codec.latent_size,
+        "n_fft": codec.n_fft,
+        "hop_length": codec.hop_length,
+        "base_hidden_size": codec.base_hidden,
+        "channel_mult": list(codec.channel_mult),
+        "rates": list(codec.rates),
+        "num_blocks": codec.num_blocks,
+        "kernel_size": codec.kernel_size,
+        "groups": 1,
+        "codebook_size": codec.codebook_size,
+        "num_quantizers": codec.n_quantizers,
+        "wav_to_token_ratio": codec.samples_per_frame,
+    }
 
 
 def _read_tts(r: _Reader, codec: CodecConfig, text_vocab: int) -> SpeechDecoderConfig:
@@ -526,159 +776,10 @@ def _read_tts(r: _Reader, codec: CodecConfig, text_vocab: int) -> SpeechDecoderC
     )
 
 
-def _read_global_every(r: _Reader, n_layers: int) -> int:
-    """Gemma-3 makes layer i global iff (i + 1) % sliding_window_pattern == 0 (default 6)."""
-    path = f"{BACKBONE}.layer_types"
-    if r.has(path):
-        types = r.need(path)
-        globals_ = [i for i, t in enumerate(types) if t == "full_attention"]
-        if len(types) != n_layers or not globals_:
-            raise ValueError(f"{path} must list {n_layers} layers with at least one global one")
-        every = globals_[0] + 1
-        want = [
-            "full_attention" if (i + 1) % every == 0 else "sliding_attention"
-            for i in range(n_layers)
-        ]
-        if list(types) != want:
-            raise ValueError(f"{path} is not periodic ((i + 1) % n == 0 global): {types}")
-        return every
-    return int(r.get(f"{BACKBONE}.sliding_window_pattern", 6, "transformers Gemma3TextConfig"))
-
-
-def _read_gemma_rope(r: _Reader) -> tuple[float, float]:
-    """(global, local) RoPE bases as Gemma3TextConfig resolves them."""
-    hf = "transformers Gemma3TextConfig"
-    params = f"{BACKBONE}.rope_parameters"
-    if r.has(params):
-        for kind in ("full_attention", "sliding_attention"):
-            r.expect(f"{params}.{kind}.rope_type", ("default",), "default", hf)
-        return (
-            float(r.get(f"{params}.full_attention.rope_theta", 1e6, hf)),
-            float(r.get(f"{params}.sliding_attention.rope_theta", 1e4, hf)),
-        )
-    r.expect(f"{BACKBONE}.rope_scaling", (None,), None, hf)
-    return (
-        float(r.get(f"{BACKBONE}.rope_theta", 1e6, hf)),
-        float(r.get(f"{BACKBONE}.rope_local_base_freq", 1e4, hf)),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# ModelConfig -> release
-
-
-def _check_expressible(cfg: ModelConfig) -> None:
-    """Fields the release config cannot carry must keep the values NeMo derives or fixes."""
-    d_enc, d_rnnt, d_tts = EncoderConfig(), RNNTConfig(), SpeechDecoderConfig()
-    fixed = (
-        ("encoder.pre_encode_cache", cfg.encoder.pre_encode_cache, d_enc.pre_encode_cache),
-        ("encoder.drop_pre_encoded", cfg.encoder.drop_pre_encoded, d_enc.drop_pre_encoded),
-        ("encoder.ln_eps", cfg.encoder.ln_eps, d_enc.ln_eps),
-        ("rnnt.max_symbols", cfg.rnnt.max_symbols, d_rnnt.max_symbols),
-        # the char vocabulary is the tokenizer's 256 single characters + padding
-        ("tts.char_vocab", cfg.tts.char_vocab, d_tts.char_vocab),
-        # NeMo 3.0 runs the char encoder with HF's default attention, which drops the softcap
-        ("tts.cas_apply_softcap", cfg.tts.cas_apply_softcap, d_tts.cas_apply_softcap),
-        # GatedProjectedSumRMSNorm keeps its default num_codebooks (RVQEARTTSModel's call)
-        ("tts.fusion_audio_divisor", cfg.tts.fusion_audio_divisor, d_tts.fusion_audio_divisor),
-    )
-    for name, value, want in fixed:
-        if value != want:
-            raise ValueError(f"the release config cannot express {name}={value!r} (NeMo: {want!r})")
-
-
-def to_release(cfg: ModelConfig, pretrained_llm: str = NANO_9B_V2) -> tuple[dict, dict]:
-    """(release ``config.json``, LLM ``config.json``) for ``cfg``; NeMo 3.0 builds the first.
-
-    ``pretrained_llm`` is the id NeMo resolves through ``AutoConfig``/``AutoTokenizer``; keep
-    "Nemotron" in it (NeMo's Nemotron code paths key on it). Paths that NeMo reads but that carry
-    no architecture (log directories) are set to ".".
-    """
-    if "Nemotron" not in pretrained_llm:
-        raise ValueError(f"pretrained_llm {pretrained_llm!r} must contain 'Nemotron'")
-    _check_expressible(cfg)
-    mel, enc, llm, rnnt, tts, codec = (
-        cfg.encoder.mel,
-        cfg.encoder,
-        cfg.llm,
-        cfg.rnnt,
-        cfg.tts,
-        cfg.codec,
-    )
+def _write_tts(cfg: ModelConfig, pretrained_llm: str) -> dict:
+    """``_read_tts``'s keys: the ``model.speech_generation`` section, the codec's inside it."""
+    tts, codec = cfg.tts, cfg.codec
     frame_s = cfg.frame_ms / 1000
-    tokens = {
-        "bos_token": _token_name(llm.bos_id),
-        "eos_token": _token_name(llm.eos_id),
-        "pad_token": _token_name(llm.pad_id),
-    }
-    preprocessor = {
-        "_target_": _MEL_CLS,
-        "sample_rate": mel.sample_rate,
-        "normalize": "NA",
-        "window_size": mel.win_length / mel.sample_rate,
-        "window_stride": mel.hop_length / mel.sample_rate,
-        "window": "hann",
-        "features": mel.n_mels,
-        "n_fft": mel.n_fft,
-        "log": True,
-        "log_zero_guard_type": "add",
-        "log_zero_guard_value": mel.log_zero_guard,
-        "frame_splicing": 1,
-        "dither": 1e-05,
-        "pad_to": 0,
-        "pad_value": 0.0,
-        "preemph": mel.preemph,
-        "mag_power": mel.mag_power,
-    }
-    encoder = {
-        "_target_": _CONFORMER_CLS,
-        "feat_in": mel.n_mels,
-        "feat_out": -1,
-        "n_layers": enc.n_layers,
-        "d_model": enc.d_model,
-        "subsampling": "dw_striding",
-        "subsampling_factor": enc.subsampling_factor,
-        "subsampling_conv_channels": enc.subsampling_channels,
-        "causal_downsampling": True,
-        "ff_expansion_factor": enc.ff_expansion,
-        "self_attention_model": "rel_pos",
-        "n_heads": enc.n_heads,
-        "att_context_size": [enc.att_left_context, 0],
-        "att_context_style": "chunked_limited",
-        "xscaling": enc.xscaling,
-        "untie_biases": True,
-        "pos_emb_max_len": enc.pos_emb_max_len,
-        "conv_kernel_size": enc.conv_kernel,
-        "conv_norm_type": "layer_norm",
-        "conv_context_size": "causal",
-        "use_bias": False,
-        "dropout": 0.1,
-        "dropout_pre_encoder": 0.1,
-        "dropout_emb": 0.0,
-        "dropout_att": 0.1,
-    }
-    stt_model = {
-        "pretrained_llm": pretrained_llm,
-        "pretrained_weights": False,
-        "source_sample_rate": mel.sample_rate,
-        "validation_save_path": ".",
-        # transformers' native NemotronHForCausalLM: .model, whose input table is .embeddings
-        "llm_attr_name": "model",
-        "embed_tokens_attr_name": "embeddings",
-        "predict_user_text": False,
-        "use_function_head": llm.use_function_head,
-        "duplex_text_channel_weight": llm.text_weight,
-        "duplex_user_channel_weight": llm.user_weight,
-        "duplex_function_channel_weight": llm.function_weight,
-        **tokens,
-        "perception": {
-            "_target_": _PERCEPTION_CLS,
-            "output_dim": enc.output_dim,
-            "preprocessor": preprocessor,
-            "encoder": encoder,
-            "modality_adapter": {"_target_": _IDENTITY_CLS, "d_model": enc.d_model},
-        },
-    }
     backbone = {
         "hidden_size": tts.d_model,
         "intermediate_size": tts.mlp_dim,
@@ -748,7 +849,7 @@ def to_release(cfg: ModelConfig, pretrained_llm: str = NANO_9B_V2) -> tuple[dict
     speech_model = {
         "pretrained_lm_name": pretrained_llm,
         "pretrained_codec_model": None,
-        **tokens,
+        **_token_names(cfg.llm),
         "audio_codec_run_dtype": "float32",
         "inference_guidance_scale": tts.guidance_scale,
         "inference_top_p_or_k": tts.top_p,
@@ -761,129 +862,50 @@ def to_release(cfg: ModelConfig, pretrained_llm: str = NANO_9B_V2) -> tuple[dict
         speech_model["inference_num_iterations"] = tts.num_iter
     # the prompt duration NeMo floors to whole code frames: a half frame over keeps it exact
     prompt_s = (tts.prompt_frames + 0.5) * codec.samples_per_frame / codec.sample_rate
-    release = {
+    return {
         "data": {
+            "audio_prompt_duration": prompt_s,
             "frame_length": frame_s,
-            "source_sample_rate": mel.sample_rate,
+            "source_sample_rate": codec.sample_rate,
             "target_sample_rate": codec.sample_rate,
         },
         "exp_manager": {"explicit_log_dir": "."},
-        "trainer": {},
-        "model": {
-            "inference_speaker_name": tts.speaker_name,
-            "inference_speaker_reference": None,
-            "stt": {
-                "data": {"source_sample_rate": mel.sample_rate},
-                "exp_manager": {"explicit_log_dir": "."},
-                "model": stt_model,
-            },
-            "speech_generation": {
-                "data": {
-                    "audio_prompt_duration": prompt_s,
-                    "frame_length": frame_s,
-                    "source_sample_rate": codec.sample_rate,
-                    "target_sample_rate": codec.sample_rate,
-                },
-                "exp_manager": {"explicit_log_dir": "."},
-                "model": speech_model,
-            },
-        },
-        RNNT: {
-            "decoder_config": {
-                "_target_": _RNNT_DECODER_CLS,
-                "vocab_size": rnnt.vocab_size,
-                "blank_as_pad": rnnt.blank_as_pad,
-                "prednet": {
-                    "pred_hidden": rnnt.pred_hidden,
-                    "pred_rnn_layers": rnnt.pred_layers,
-                    "dropout": 0.2,
-                },
-            },
-            "joint_config": {
-                "_target_": _RNNT_JOINT_CLS,
-                "num_classes": rnnt.vocab_size,
-                # the real list is the RNNT tokenizer's (rnnt_tokenizer/); placeholders here
-                "vocabulary": [f"<rnnt_{i}>" for i in range(rnnt.vocab_size)],
-                "jointnet": {
-                    "joint_hidden": rnnt.joint_hidden,
-                    "activation": "relu",
-                    # dropout > 0 puts the output Linear at joint_net.2, as in the release
-                    "dropout": 0.2,
-                    "encoder_hidden": rnnt.encoder_hidden,
-                    "pred_hidden": rnnt.pred_hidden,
-                },
-            },
-            "rnnt_vocab_size": rnnt.vocab_size,
-        },
-    }
-    return release, llm_config(cfg)
-
-
-def codec_config(codec: CodecConfig) -> dict:
-    """The release's ``codec_config`` (what ``DuplexEARTTS`` hands to ``RVQVAEModel``)."""
-    return {
-        "latent_size": codec.latent_size,
-        "n_fft": codec.n_fft,
-        "hop_length": codec.hop_length,
-        "base_hidden_size": codec.base_hidden,
-        "channel_mult": list(codec.channel_mult),
-        "rates": list(codec.rates),
-        "num_blocks": codec.num_blocks,
-        "kernel_size": codec.kernel_size,
-        "groups": 1,
-        "codebook_size": codec.codebook_size,
-        "num_quantizers": codec.n_quantizers,
-        "wav_to_token_ratio": codec.samples_per_frame,
+        "model": speech_model,
     }
 
 
-def llm_config(cfg: ModelConfig) -> dict:
-    """The Nemotron-H ``config.json`` (HF ``NemotronHConfig`` keys) of ``cfg.llm``.
+def _read_global_every(r: _Reader, n_layers: int) -> int:
+    """Gemma-3 makes layer i global iff (i + 1) % sliding_window_pattern == 0 (default 6)."""
+    path = f"{BACKBONE}.layer_types"
+    if r.has(path):
+        types = r.need(path)
+        globals_ = [i for i, t in enumerate(types) if t == "full_attention"]
+        if len(types) != n_layers or not globals_:
+            raise ValueError(f"{path} must list {n_layers} layers with at least one global one")
+        every = globals_[0] + 1
+        want = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+            for i in range(n_layers)
+        ]
+        if list(types) != want:
+            raise ValueError(f"{path} is not periodic ((i + 1) % n == 0 global): {types}")
+        return every
+    return int(r.get(f"{BACKBONE}.sliding_window_pattern", 6, "transformers Gemma3TextConfig"))
 
-    ``time_step_min`` is tiny because transformers' ``nemotron_h`` clamps dt at it, which the
-    release's own model code does not (model-spec §8 "Mamba dt").
-    """
-    llm = cfg.llm
-    return {
-        "architectures": ["NemotronHForCausalLM"],
-        "model_type": "nemotron_h",
-        "vocab_size": llm.vocab_size,
-        "hidden_size": llm.d_model,
-        "hybrid_override_pattern": llm.pattern,
-        "num_hidden_layers": llm.n_layers,
-        "num_attention_heads": llm.n_heads,
-        "num_key_value_heads": llm.n_kv_heads,
-        "head_dim": llm.head_dim,
-        "intermediate_size": llm.mlp_dim,
-        "mlp_hidden_act": "relu2",
-        "mamba_num_heads": llm.mamba_heads,
-        "mamba_head_dim": llm.mamba_head_dim,
-        "ssm_state_size": llm.ssm_state,
-        "n_groups": llm.n_groups,
-        "conv_kernel": llm.conv_kernel,
-        "expand": 2,
-        "chunk_size": 128,
-        "mamba_hidden_act": "silu",
-        "use_conv_bias": True,
-        "mamba_proj_bias": False,
-        "use_bias": False,
-        "mlp_bias": False,
-        "attention_bias": False,
-        "layer_norm_epsilon": llm.norm_eps,
-        "time_step_min": 1e-30,
-        "time_step_max": 0.1,
-        "time_step_floor": 1e-4,
-        "time_step_limit": [0.0, math.inf],
-        "mamba_ssm_cache_dtype": "float32",
-        "residual_in_fp32": False,
-        "rescale_prenorm_residual": True,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 131072,
-        "bos_token_id": llm.bos_id,
-        "eos_token_id": llm.eos_id,
-        "pad_token_id": 0,
-        "use_cache": True,
-        "num_logits_to_keep": 1,
-        "initializer_range": 0.02,
-        "torch_dtype": "float32",
-    }
+
+def _read_gemma_rope(r: _Reader) -> tuple[float, float]:
+    """(global, local) RoPE bases as Gemma3TextConfig resolves them."""
+    hf = "transformers Gemma3TextConfig"
+    params = f"{BACKBONE}.rope_parameters"
+    if r.has(params):
+        for kind in ("full_attention", "sliding_attention"):
+            r.expect(f"{params}.{kind}.rope_type", ("default",), "default", hf)
+        return (
+            float(r.get(f"{params}.full_attention.rope_theta", 1e6, hf)),
+            float(r.get(f"{params}.sliding_attention.rope_theta", 1e4, hf)),
+        )
+    r.expect(f"{BACKBONE}.rope_scaling", (None,), None, hf)
+    return (
+        float(r.get(f"{BACKBONE}.rope_theta", 1e6, hf)),
+        float(r.get(f"{BACKBONE}.rope_local_base_freq", 1e4, hf)),
+    )

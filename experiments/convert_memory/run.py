@@ -3,7 +3,7 @@ r"""Peak host memory and time of ``voicechat-convert`` on a full-size synthetic 
 Writes a synthetic ``model.safetensors`` with the real release's 1,632 names, shapes and dtypes
 (NeMo's ``NemotronVoiceChat`` on the meta device, ``tests.reference.nemo_ref``) and non-zero
 finite values, piece by piece (header, then each tensor's bytes from a random pool), plus
-``to_release(voicechat_11b())`` as its ``config.json``; converts it with the CLI in a child
+``config_to_release(voicechat_11b())`` as its ``config.json``; converts it with the CLI in a child
 process while sampling the child's resident memory; spot-checks a few converted leaves against
 the source; deletes everything unless ``--keep``.
 
@@ -157,7 +157,7 @@ def main(argv: list[str]) -> None:
     del argv
     from tests.reference.nemo_ref import nemo_full_size_key_shapes
     from voicechat_jax.config import voicechat_11b
-    from voicechat_jax.release_config import to_release
+    from voicechat_jax.release_config import config_to_release
 
     work = FLAGS.workdir
     src, dst = os.path.join(work, "release"), os.path.join(work, "checkpoint")
@@ -171,7 +171,7 @@ def main(argv: list[str]) -> None:
     result = {"tensors": len(shapes), "data_bytes": data, "disk_free_before_gb": free / 1e9}
     try:
         t = time.perf_counter()
-        result["file_bytes"] = write_release(src, shapes, to_release(voicechat_11b())[0])
+        result["file_bytes"] = write_release(src, shapes, config_to_release(voicechat_11b())[0])
         result["generate_s"] = time.perf_counter() - t
         cmd = [
             sys.executable,

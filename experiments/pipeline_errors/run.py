@@ -24,6 +24,7 @@ import torch
 
 from tests.reference import nemo_ref
 from voicechat_jax.config import PAD_ID, tiny
+from voicechat_jax.keys import load_params
 from voicechat_jax.model import char_encoder, conformer, nano, voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import audio as audio_lib
@@ -42,7 +43,7 @@ def main() -> None:
     cfg, f32 = tiny(), Precision.fp32()
     model = nemo_ref.build_tiny_nemo(cfg, tempfile.mkdtemp(), seed=0)
     chars = char_encoder.char_table(model.release_cfg["model"]["stt"]["model"]["pretrained_llm"])
-    params = voicechat.from_release(cfg, nemo_ref.release_state_dict(model), f32, np.asarray(chars))
+    params = load_params(cfg, nemo_ref.release_state_dict(model), f32, np.asarray(chars))
     x = audio_lib.read_wav(runner.default_wav())
     n = N_FRAMES * SPF
     noise = 1e-3 * np.random.default_rng(0).standard_normal(max(0, n - x.size))

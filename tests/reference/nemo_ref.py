@@ -3,7 +3,7 @@
 The whole-pipeline parity tests compare the JAX port against what this module computes with
 NeMo 3.0 (fp32, CPU, ``.eval()``):
 
-- ``build_tiny_nemo``: ``NemotronVoiceChat(to_release(cfg))`` with a local stand-in LLM
+- ``build_tiny_nemo``: ``NemotronVoiceChat(config_to_release(cfg))`` with a local stand-in LLM
   (``make_tiny_llm_config``) and tokenizer (``make_tiny_tokenizer``) in a directory whose name
   holds "Nemotron" (NeMo's Nemotron code paths key on it), random weights of non-trivial scale,
   plus the two heads NeMo 3.0 lacks (model-spec §8): ``stt_model.function_head`` (one more
@@ -18,7 +18,7 @@ NeMo 3.0 (fp32, CPU, ``.eval()``):
 - ``nemo_speak``: the EarTTS loop and codec decode of ``NemotronVoiceChat.offline_inference``.
 - ``nemo_offline_inference``: NeMo's own ``offline_inference``, to cross-check the runners.
 - ``nemo_full_size_key_shapes``: the release's 1,632 key names and shapes, built with its
-  parameters on the meta device from ``to_release(voicechat_11b())``.
+  parameters on the meta device from ``config_to_release(voicechat_11b())``.
 
 Speech sampling is made deterministic (model-spec §8): ``top_p_or_k=1`` (an int selects the top
 component) and ``noise_scale=0.0``; the guidance scale stays the release's
@@ -40,7 +40,7 @@ import torch
 
 from tests.reference.tiny_tokenizer import make_tiny_llm_config, make_tiny_tokenizer
 from voicechat_jax.config import ModelConfig, voicechat_11b
-from voicechat_jax.release_config import RNNT, to_release
+from voicechat_jax.release_config import RNNT, config_to_release
 
 # The directory name of the stand-in LLM: NeMo branches on "Nemotron" in pretrained_llm.
 LLM_DIR_NAME = "Tiny-Nemotron-H"
@@ -152,7 +152,7 @@ def build_tiny_nemo(cfg: ModelConfig, workdir: str | os.PathLike, seed: int = 0)
     NemotronVoiceChat = _nemo()
     workdir = pathlib.Path(workdir)
     llm_dir = _write_llm_dir(cfg, workdir / LLM_DIR_NAME)
-    release_cfg, _ = to_release(cfg, pretrained_llm=llm_dir)
+    release_cfg, _ = config_to_release(cfg, pretrained_llm=llm_dir)
     log_dir = str(workdir / "logs")
     release_cfg["exp_manager"]["explicit_log_dir"] = log_dir
     for part in ("stt", "speech_generation"):
@@ -187,7 +187,7 @@ def save_release(model, cfg: ModelConfig, directory: str | os.PathLike) -> None:
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    release_cfg = getattr(model, "release_cfg", None) or to_release(cfg)[0]
+    release_cfg = getattr(model, "release_cfg", None) or config_to_release(cfg)[0]
     with open(directory / "config.json", "w") as f:
         json.dump(release_cfg, f, indent=1)
     # ascontiguousarray alone would turn a 0-d buffer into shape [1]; the release keeps []
@@ -463,7 +463,7 @@ def nemo_offline_inference(
 def nemo_full_size_key_shapes() -> dict[str, tuple[int, ...]]:
     """Names and shapes of the release's tensors, from NeMo built on the meta device.
 
-    ``NemotronVoiceChat(to_release(voicechat_11b()))`` with its parameters on the meta device
+    ``NemotronVoiceChat(config_to_release(voicechat_11b()))`` with its parameters on the meta device
     (allocates no weights; NeMo 3.0 yields 1,616 tensors), the stand-in 9B LLM config and a
     full-size (131,072-id) stand-in tokenizer, plus ``function_head`` and the RNNT head's 15
     tensors: 1,632 names. The codec's silence frame, which NeMo computes by encoding 10 s of
@@ -481,7 +481,7 @@ def _full_size_key_shapes(workdir: pathlib.Path) -> dict[str, tuple[int, ...]]:
     NemotronVoiceChat = _nemo()
     cfg = voicechat_11b()
     llm_dir = _write_llm_dir(cfg, workdir / FULL_LLM_DIR_NAME)
-    release_cfg, _ = to_release(cfg, pretrained_llm=llm_dir)
+    release_cfg, _ = config_to_release(cfg, pretrained_llm=llm_dir)
     release_cfg["exp_manager"]["explicit_log_dir"] = str(workdir / "logs")
 
     def silence_frame(self):

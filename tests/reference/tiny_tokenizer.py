@@ -188,6 +188,6 @@ def make_tiny_llm_config(cfg: ModelConfig) -> dict:
 
     Laid out like ``nvidia/NVIDIA-Nemotron-Nano-9B-v2``'s config with sizes from ``cfg.llm``;
     ``time_step_min`` is tiny so that HF does not clamp dt (model-spec §8 "Mamba dt"). The same
-    dict ``release_config.to_release`` returns as its second element.
+    dict ``release_config.config_to_release`` returns as its second element.
     """
     return llm_config(cfg)

@@ -10,7 +10,7 @@ rules drop them (``param=None``: consumed, not loaded). Layer indices follow NeM
 from __future__ import annotations
 
 from voicechat_jax.config import ModelConfig
-from voicechat_jax.keys import KeyRule, Layout
+from voicechat_jax.keys.core import KeyRule, Layout
 
 PREFIX = "tts_model.audio_codec."
 

@@ -10,7 +10,7 @@ indices 1, 4 and 7; then ``out``), ``encoder.layers.{j}.*`` (26 tensors each) an
 from __future__ import annotations
 
 from voicechat_jax.config import ModelConfig
-from voicechat_jax.keys import KeyRule, Layout
+from voicechat_jax.keys.core import KeyRule, Layout
 
 PERCEPTION = "stt_model.perception"
 

@@ -11,7 +11,7 @@ transformers' ``NemotronHBlock`` (``norm``, ``mixer``) and mixers (``NemotronHMa
 from __future__ import annotations
 
 from voicechat_jax.config import ModelConfig
-from voicechat_jax.keys import KeyRule, Layout
+from voicechat_jax.keys.core import KeyRule, Layout
 
 _LIN = Layout.LINEAR
 

@@ -10,7 +10,7 @@ trained joint had dropout between its ReLU and that Linear).
 from __future__ import annotations
 
 from voicechat_jax.config import ModelConfig
-from voicechat_jax.keys import KeyRule, Layout
+from voicechat_jax.keys.core import KeyRule, Layout
 
 DECODER = "stt_model.rnnt_decoder"
 JOINT = "stt_model.rnnt_joint"

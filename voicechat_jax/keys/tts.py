@@ -15,7 +15,7 @@ when no cached speaker latent exists, and the release runs from its cached laten
 from __future__ import annotations
 
 from voicechat_jax.config import ModelConfig
-from voicechat_jax.keys import KeyRule, Layout
+from voicechat_jax.keys.core import KeyRule, Layout
 
 DUPLEX = "tts_model"
 EARTTS = "tts_model.tts_model"

@@ -12,7 +12,7 @@ module's scalar ``pad_tensor``): 20 tensors. Linears are [out, in] in torch and 
 from __future__ import annotations
 
 from voicechat_jax.config import ModelConfig
-from voicechat_jax.keys import KeyRule, Layout
+from voicechat_jax.keys.core import KeyRule, Layout
 
 BACKBONE = "tts_model.tts_model.backbone"
 CHAR_ENCODER = "tts_model.tts_model.embed_subword"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from voicechat_jax.config import PAD_ID, ModelConfig
@@ -61,22 +60,6 @@ def abstract(cfg: ModelConfig, precision: Precision, *, text_table: bool = True)
     """
     tree = jax.eval_shape(lambda: init(jax.random.key(0), cfg, precision))
     return tree if text_table else tree.replace(tts=tree.tts.replace(text_table=None))
-
-
-def from_release(
-    cfg: ModelConfig, tensors, precision: Precision, char_table: np.ndarray
-) -> ModelParams:
-    """Device params from release tensors (a mapping or a loader), strictly, plus the text table.
-
-    ``char_table`` [V, M] is ``char_encoder.char_table(tokenizer)``: the speech decoder's
-    per-token characters, from the text tokenizer (the release does not store them).
-    """
-    from voicechat_jax.keys.table import load_release  # the table imports every sub-network
-
-    host = load_release(abstract(cfg, precision, text_table=False), cfg, tensors)
-    params = jax.tree_util.tree_map(jnp.asarray, host)
-    tts = ear_tts.with_text_table(params.tts, jnp.asarray(char_table), cfg=cfg)
-    return params.replace(tts=tts)
 
 
 @struct.dataclass
