@@ -291,14 +291,14 @@ def check(directory: str | os.PathLike, verify: Verify = Verify.FULL) -> Checked
     """
     t0 = time.perf_counter()
     directory = os.path.abspath(os.fspath(directory))
-    listing = _verified_files(directory, Verify(verify))
+    listing = verify_files(directory, Verify(verify))
     cfg, _, index = _read_meta(directory)
     _expected_leaves(directory, cfg, index)
     total = sum(f["bytes"] for f in listing.values())
     return Checked(directory, cfg, len(listing), total, Verify(verify), time.perf_counter() - t0)
 
 
-def _verified_files(directory: str, verify: Verify) -> dict[str, dict]:
+def verify_files(directory: str, verify: Verify) -> dict[str, dict]:
     """The files of ``integrity.json``, each found with its size (and sha256); or raises."""
     if not os.path.isdir(directory):
         what = "not a directory" if os.path.exists(directory) else "no such directory"
@@ -454,7 +454,7 @@ def restore(
     ``CheckpointError`` (one line: the file and what is wrong).
     """
     directory = os.path.abspath(os.fspath(directory))  # orbax refuses relative paths
-    _verified_files(directory, Verify(verify))
+    verify_files(directory, Verify(verify))
     cfg, manifest, index = _read_meta(directory)
     stored = index["leaves"]
     has_table = TEXT_TABLE in stored

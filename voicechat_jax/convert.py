@@ -204,7 +204,7 @@ def remove_stale_partials(dst: str) -> list[str]:
 
 
 def _remove_tree(path: str, attempts: int = 20) -> None:
-    """``rmtree`` that outlasts writes still landing (a signal can stop orbax mid-save)."""
+    """``rmtree`` that outlasts files still landing (from an orbax save that failed midway)."""
     for _ in range(attempts):
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.lexists(path):
@@ -698,7 +698,10 @@ def _write_params(
     try:
         mode = _fill_and_write(plan, writer, tokenizer, text_table, progress)
     except BaseException:
-        writer.abort()  # orbax's writes land before the directory is removed
+        try:
+            writer.abort()  # orbax's writes land before the directory is removed
+        except Exception:  # the failure being raised says more than this one
+            logging.exception("waiting for orbax after the conversion failed")
         raise
     return mode, writer.digests()
 
@@ -853,7 +856,9 @@ class _ProgressBar:
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
-            self.bar = self.tqdm(total=total, unit="B", unit_scale=True, desc="converting")
+            self.bar = self.tqdm(
+                total=total, unit="B", unit_scale=True, desc="converting", file=sys.stderr
+            )
         self.bar.total = total
         self.bar.update(done - self.bar.n)
 
@@ -906,6 +911,8 @@ class Signals:
 def _check(directory: str, verify: ckpt.Verify) -> None:
     try:
         done = ckpt.check(directory, verify)
+    except Interrupted as e:
+        _fail(str(e), 128 + e.signum)
     except ckpt.CheckpointError as e:
         _fail(str(e))
     print(
@@ -917,6 +924,7 @@ def _check(directory: str, verify: ckpt.Verify) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    signals = Signals()
     if FLAGS.check:
         if FLAGS.src or FLAGS.dst or FLAGS.dry_run:
             raise app.UsageError("--check takes no --src, --dst or --dry_run")
@@ -926,7 +934,6 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--src and --dst are required (--dst not with --dry_run)")
     precision = Precision.fp32() if FLAGS.precision == "fp32" else Precision.reference()
     logging.info("converting %s -> %s (%s)", FLAGS.src, FLAGS.dst, precision)
-    signals = Signals()
     bar = None if FLAGS.dry_run else _ProgressBar.make()
     try:
         try:
@@ -947,7 +954,10 @@ def main(argv: list[str]) -> None:
             if bar is not None:
                 bar.close()
     except Interrupted as e:
-        _fail(f"{e}; nothing was written to {FLAGS.dst}", 128 + e.signum)
+        _fail(
+            f"{e}" + ("" if FLAGS.dry_run else f"; nothing was written to {FLAGS.dst}"),
+            128 + e.signum,
+        )
     except (ConversionError, OSError) as e:
         _fail(str(e))
     except Exception as e:  # a bug: still one line, the traceback at --verbosity=1
