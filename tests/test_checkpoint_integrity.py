@@ -332,6 +332,23 @@ def test_check_cli_on_a_sound_checkpoint(converted):
     )
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--src=somewhere"], "--src and --dst are required"),
+        (["--check=somewhere", "--dst=elsewhere"], "--check takes no --src, --dst or --dry_run"),
+        (["--src=a", "--dst=b", "--shard_bytes=0"], "flag --shard_bytes=0: 0 is not a positive"),
+    ],
+    ids=["no dst", "check and dst", "shard_bytes 0"],
+)
+def test_bad_flags_are_one_line(args, says, tmp_path):
+    out = _cli(*args)
+    assert out.returncode == 2
+    line = _error_line(out.stderr)
+    assert says in line
+    assert line.endswith("(--helpshort lists the flags)")
+
+
 # ---------------------------------------------------------------------------------------------
 # signals, stale partial directories, the lock
 

@@ -321,7 +321,10 @@ def verify_files(directory: str, verify: Verify) -> dict[str, dict]:
                 (path, f"{how}: {size:,} bytes, the conversion wrote {want['bytes']:,}")
             )
     if verify is Verify.FULL and not problems:
-        found = file_digests(directory, files)
+        try:
+            found = file_digests(directory, files)
+        except OSError as e:
+            raise CheckpointError(e.filename or directory, f"cannot be read: {e.strerror}") from e
         for rel, want in files.items():
             if found[rel][DIGEST] != want[DIGEST]:
                 problems.append(
@@ -352,7 +355,12 @@ def _read_integrity(directory: str) -> dict:
     listing = _load_json(path)
     if listing.get("format") != FORMAT:
         raise CheckpointError(path, _old_format(listing.get("format")))
-    if listing.get("digest") != DIGEST or not isinstance(listing.get("files"), dict):
+    files = listing.get("files")
+    if (
+        listing.get("digest") != DIGEST
+        or not isinstance(files, dict)
+        or not all(isinstance(f, dict) and {"bytes", DIGEST} <= set(f) for f in files.values())
+    ):
         raise CheckpointError(path, f"not a {FORMAT} integrity listing")
     return listing
 

@@ -33,7 +33,8 @@ turns SIGTERM, like SIGINT, into an exception that removes the partial directory
   voicechat-convert --check=checkpoints/voicechat_11b [--verify=sizes]
 
 verifies a converted checkpoint (``checkpoint.check``) without loading it. Every failure of the
-CLI is one line on stderr, ``voicechat-convert: <what went wrong>``, and a non-zero exit.
+CLI is one line on stderr, ``voicechat-convert: <what went wrong>``, and a non-zero exit: 2 for
+bad flags, 128 + N after signal N, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -98,6 +99,16 @@ def _define_flags() -> None:
         [v.value for v in ckpt.Verify],
         "With --check: full (sizes and sha256 of every file) or sizes (stat only).",
     )
+    flags.register_multi_flags_validator(["src", "dst", "dry_run", "check"], _flags_agree)
+
+
+def _flags_agree(values: dict) -> bool:
+    if values["check"]:
+        if values["src"] or values["dst"] or values["dry_run"]:
+            raise flags.ValidationError("--check takes no --src, --dst or --dry_run")
+    elif not values["src"] or not (values["dst"] or values["dry_run"]):
+        raise flags.ValidationError("--src and --dst are required (--dst not with --dry_run)")
+    return True
 
 
 SHARD_BYTES = 1 << 30  # host memory per written shard (a bigger single leaf gets its own)
@@ -923,15 +934,11 @@ def _check(directory: str, verify: ckpt.Verify) -> None:
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        _fail(f"unexpected arguments {argv[1:]} {_FLAGS_HINT}", 2)
     signals = Signals()
     if FLAGS.check:
-        if FLAGS.src or FLAGS.dst or FLAGS.dry_run:
-            raise app.UsageError("--check takes no --src, --dst or --dry_run")
         _check(FLAGS.check, ckpt.Verify(FLAGS.verify))
         return
-    if not FLAGS.src or not (FLAGS.dst or FLAGS.dry_run):
-        raise app.UsageError("--src and --dst are required (--dst not with --dry_run)")
     precision = Precision.fp32() if FLAGS.precision == "fp32" else Precision.reference()
     logging.info("converting %s -> %s (%s)", FLAGS.src, FLAGS.dst, precision)
     bar = None if FLAGS.dry_run else _ProgressBar.make()
@@ -966,10 +973,21 @@ def main(argv: list[str]) -> None:
     print(result.listing if FLAGS.dry_run else f"wrote {result.dst} in {result.seconds:.0f} s")
 
 
+_FLAGS_HINT = "(--helpshort lists the flags)"
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, each error as one line (absl's own prints two)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e} {_FLAGS_HINT}", 2)
+
+
 def run() -> None:
     """Console-script entry point."""
     _define_flags()
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
