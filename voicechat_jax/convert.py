@@ -21,23 +21,41 @@ twice, a shape or dtype that contradicts the config, a truncated or corrupt file
 cannot be read are found from the header before anything is written; NaN/Inf and all-zero tensors
 (a public revision of the release has 21 all-zero tensors and outputs only PAD) while streaming,
 every such tensor named at the end. Any failure raises ``ConversionError`` and leaves nothing at
-``dst``: the checkpoint is written into a temporary directory beside it and renamed at the end.
+``dst``: the checkpoint is written into a temporary directory beside it (``.<dst>.partial-*``) and
+renamed at the end, after ``integrity.json`` (every file's size and sha256) is written.
+
+One conversion at a time per ``dst``: ``convert`` holds an exclusive ``flock`` on ``.<dst>.lock``
+beside it (a second is refused at once), and, holding it, removes the ``.<dst>.partial-*``
+directories of conversions that died (killed, or a second signal during cleanup): while the lock
+is held no other conversion to ``dst`` can be running, so nothing it removes is in use. The CLI
+turns SIGTERM, like SIGINT, into an exception that removes the partial directory.
+
+  voicechat-convert --check=checkpoints/voicechat_11b [--verify=sizes]
+
+verifies a converted checkpoint (``checkpoint.check``) without loading it. Every failure of the
+CLI is one line on stderr, ``voicechat-convert: <what went wrong>``, and a non-zero exit: 2 for
+bad flags, 128 + N after signal N, 1 otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+import typing
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +87,28 @@ def _define_flags() -> None:
     flags.DEFINE_bool(
         "dry_run", False, "Print the mapping and what would be written; read headers."
     )
+    flags.DEFINE_integer(
+        "shard_bytes", SHARD_BYTES, "Host memory per written shard (bytes).", lower_bound=1
+    )
+    flags.DEFINE_string(
+        "check", None, "Verify this converted checkpoint instead of converting (no --src/--dst)."
+    )
+    flags.DEFINE_enum(
+        "verify",
+        "full",
+        [v.value for v in ckpt.Verify],
+        "With --check: full (sizes and sha256 of every file) or sizes (stat only).",
+    )
+    flags.register_multi_flags_validator(["src", "dst", "dry_run", "check"], _flags_agree)
+
+
+def _flags_agree(values: dict) -> bool:
+    if values["check"]:
+        if values["src"] or values["dst"] or values["dry_run"]:
+            raise flags.ValidationError("--check takes no --src, --dst or --dry_run")
+    elif not values["src"] or not (values["dst"] or values["dry_run"]):
+        raise flags.ValidationError("--src and --dst are required (--dst not with --dry_run)")
+    return True
 
 
 SHARD_BYTES = 1 << 30  # host memory per written shard (a bigger single leaf gets its own)
@@ -80,6 +120,108 @@ _LLM_KEYS = re.compile(r"stt_model\.(llm|embed_tokens|lm_head|function_head)|\bl
 
 class ConversionError(ValueError):
     """The release cannot be converted; the message names the files and tensors at fault."""
+
+
+class Interrupted(BaseException):
+    """A signal asked the conversion to stop (raised by the CLI's handler).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: no ``except Exception`` swallows it, and
+    ``convert`` removes its partial directory on the way out.
+    """
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the destination: its lock and its partial directories
+
+
+def _beside(dst: str, suffix: str) -> str:
+    return os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.{suffix}")
+
+
+class DstLock:
+    """An exclusive ``flock`` on ``.<dst>.lock`` beside ``dst``, for one conversion at a time.
+
+    Taken without waiting: when another process holds it, ``ConversionError`` names that process.
+    The holder removes the lock file while still holding it; a process that locked the file just
+    before it was removed sees that the path no longer names its file and starts again on a new
+    one, so removing it never lets two holders in. A killed holder leaves the file, unlocked.
+    """
+
+    def __init__(self, dst: str):
+        self.dst, self.path = dst, _beside(dst, "lock")
+        self._fd: int | None = None
+
+    def __enter__(self) -> DstLock:
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise ConversionError(f"cannot create the lock {self.path}: {e.strerror}") from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise ConversionError(
+                    f"{self.dst} is being converted by {owner} (lock {self.path}); "
+                    f"wait for it to finish or stop it"
+                ) from None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder removed this file after we opened it
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self._fd is not None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+
+def _partial_prefix(dst: str) -> str:
+    return os.path.basename(_beside(dst, "partial-"))
+
+
+def remove_stale_partials(dst: str) -> list[str]:
+    """Removes the ``.<dst>.partial-*`` directories beside ``dst``; returns their paths.
+
+    Call only while holding ``DstLock(dst)``: every conversion to ``dst`` holds it for as long as
+    its partial directory exists, so these are left by conversions that died.
+    """
+    parent, prefix = os.path.dirname(dst), _partial_prefix(dst)
+    removed = []
+    for name in sorted(os.listdir(parent)):
+        path = os.path.join(parent, name)
+        if name.startswith(prefix) and os.path.isdir(path) and not os.path.islink(path):
+            logging.warning("removing %s, left by a conversion to %s that died", path, dst)
+            _remove_tree(path)
+            removed.append(path)
+    return removed
+
+
+def _remove_tree(path: str, attempts: int = 20) -> None:
+    """``rmtree`` that outlasts files still landing (from an orbax save that failed midway)."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            return
+        time.sleep(0.1)
+    logging.error("could not remove %s", path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,6 +613,7 @@ def convert(
     text_table: bool = True,
     table: Callable[[ModelConfig], list[KeyRule]] = release_table,
     shard_bytes: int = SHARD_BYTES,
+    uninterrupted: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> Conversion:
     """Converts the release at ``src`` into a checkpoint at ``dst`` (see the module docstring).
 
@@ -483,45 +626,68 @@ def convert(
       precision: the dtype policy written (default ``Precision.reference()``).
       progress: called as ``progress(bytes_done, bytes_total)``; default: logged every 5%.
       table: the key table (tests substitute broken ones).
+      uninterrupted: wraps each orbax save; the CLI's ``Signals.held`` keeps SIGINT and SIGTERM
+        from stopping a save midway (they are raised when it is done).
     """
     t0 = time.perf_counter()
     src, precision = os.fspath(src), precision or Precision.reference()
     tokenizer = _tokenizer_file(tokenizer)
-    if not dry_run:
-        if dst is None:
-            raise ConversionError("no destination given")
-        dst = os.path.abspath(os.fspath(dst))
-        if os.path.lexists(dst):
-            raise ConversionError(f"{dst} already exists; refusing to overwrite it")
     llm_config = os.fspath(llm_config) if llm_config else None
+    if dry_run:
+        plan, _, _ = _plan(src, llm_config, precision, table, shard_bytes)
+        return Conversion(None, plan.listing(), {}, time.perf_counter() - t0)
+    if dst is None:
+        raise ConversionError("no destination given")
+    dst = os.path.abspath(os.fspath(dst))
+    if os.path.lexists(dst):
+        raise ConversionError(f"{dst} already exists; refusing to overwrite it")
+    parent = os.path.dirname(dst)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise ConversionError(f"cannot create {parent}: {e}") from e
+    with DstLock(dst):
+        if os.path.lexists(dst):  # a conversion that held the lock until just now made it
+            raise ConversionError(f"{dst} already exists; refusing to overwrite it")
+        remove_stale_partials(dst)
+        plan, release_cfg, llm_cfg = _plan(src, llm_config, precision, table, shard_bytes)
+        release = plan.release
+        hasher = _Hasher(release.path)
+        tmp = None
+        try:
+            tmp = tempfile.mkdtemp(prefix=_partial_prefix(dst), dir=parent)
+            hasher.start()
+            os.chmod(tmp, 0o755)
+            progress = progress or LogProgress()
+            table_mode, digests = _write_params(
+                plan, ckpt.ShardWriter(tmp, uninterrupted), tokenizer, text_table, progress
+            )
+            hasher.join()
+            if hasher.error is not None:
+                raise ConversionError(f"reading {release.path} failed: {hasher.error}")
+            manifest = _manifest(plan, release_cfg, hasher.digest, revision, llm_config, tokenizer)
+            manifest["text_table"] = table_mode
+            _write_meta(tmp, plan.cfg, manifest, release_cfg, llm_cfg, tokenizer)
+            ckpt.write_integrity(tmp, digests)
+            os.rename(tmp, dst)
+            tmp = None
+        except OSError as e:  # the disk: full, read-only, removed under us
+            raise ConversionError(f"writing {dst} failed: {e}") from e
+        finally:
+            if tmp is not None:  # failed or interrupted (SIGINT, SIGTERM): leave nothing
+                hasher.cancel.set()
+                _remove_tree(tmp)
+    logging.info("wrote %s in %.1f s", dst, time.perf_counter() - t0)
+    return Conversion(dst, plan.listing(), manifest, time.perf_counter() - t0)
+
+
+def _plan(src: str, llm_config: str | None, precision: Precision, table, shard_bytes: int):
+    """(plan, release config, LLM config) of the release at ``src``, checked from its header."""
     cfg, release_cfg, llm_cfg = read_config(src, llm_config)
     release = Release(os.path.join(src, "model.safetensors"))
     note = "" if llm_config else f"LLM sizes built in for {NANO_9B_V2}; pass --llm_config"
     plan = make_plan(cfg, precision, release, table=table, shard_bytes=shard_bytes, llm_note=note)
-    if dry_run:
-        return Conversion(None, plan.listing(), {}, time.perf_counter() - t0)
-
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.partial-", dir=parent)
-    hasher = _Hasher(release.path)
-    hasher.start()
-    try:
-        os.chmod(tmp, 0o755)
-        table_mode = _write_params(plan, tmp, tokenizer, text_table, progress or LogProgress())
-        hasher.join()
-        if hasher.error is not None:
-            raise ConversionError(f"reading {release.path} failed: {hasher.error}")
-        manifest = _manifest(plan, release_cfg, hasher.digest, revision, llm_config, tokenizer)
-        manifest["text_table"] = table_mode
-        _write_meta(tmp, cfg, manifest, release_cfg, llm_cfg, tokenizer)
-        os.rename(tmp, dst)
-    except BaseException:
-        hasher.cancel.set()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logging.info("wrote %s in %.1f s", dst, time.perf_counter() - t0)
-    return Conversion(dst, plan.listing(), manifest, time.perf_counter() - t0)
+    return plan, release_cfg, llm_cfg
 
 
 def _tokenizer_file(tokenizer) -> str | None:
@@ -535,9 +701,23 @@ def _tokenizer_file(tokenizer) -> str | None:
     return path
 
 
-def _write_params(plan: Plan, directory: str, tokenizer, text_table: bool, progress) -> str:
-    """Fills and writes every shard; returns how the text table is provided."""
-    writer = ckpt.ShardWriter(directory)
+def _write_params(
+    plan: Plan, writer: ckpt.ShardWriter, tokenizer, text_table: bool, progress
+) -> tuple[str, dict[str, dict]]:
+    """Fills and writes every shard; returns how the text table is provided, and the shards'
+    file digests."""
+    try:
+        mode = _fill_and_write(plan, writer, tokenizer, text_table, progress)
+    except BaseException:
+        try:
+            writer.abort()  # orbax's writes land before the directory is removed
+        except Exception:  # the failure being raised says more than this one
+            logging.exception("waiting for orbax after the conversion failed")
+        raise
+    return mode, writer.digests()
+
+
+def _fill_and_write(plan: Plan, writer: ckpt.ShardWriter, tokenizer, text_table, progress) -> str:
     for path, target in plan.leaves.items():
         writer.add_leaf(path, target.shape, target.dtype)
     findings, done, total = _Findings(), 0, plan.read_bytes
@@ -560,7 +740,7 @@ def _write_params(plan: Plan, directory: str, tokenizer, text_table: bool, progr
             if e.path.startswith("tts.char_encoder."):
                 keep.setdefault(e.path, []).append(entries[e.name][3])
         if not findings:
-            writer.write(entries)
+            _write_shard(writer, entries)
     if findings:
         raise ConversionError(findings.message(plan.release.path))
     mode = "at load (from the tokenizer of the release's LLM)"
@@ -574,9 +754,16 @@ def _write_params(plan: Plan, directory: str, tokenizer, text_table: bool, progr
             extra[ckpt.TEXT_TABLE] = (ckpt.TEXT_TABLE, None, None, table)
             writer.add_leaf(ckpt.TEXT_TABLE, table.shape, table.dtype)
             mode = "precomputed"
-        writer.write(extra)
+        _write_shard(writer, extra)
     writer.close()
     return mode
+
+
+def _write_shard(writer: ckpt.ShardWriter, entries) -> None:
+    try:
+        writer.write(entries)
+    except ValueError as e:  # tensorstore's errors (a full disk among them) are ValueErrors
+        raise ConversionError(f"orbax could not write shard {writer.n_shards - 1}: {e}") from e
 
 
 def _text_table(plan: Plan, keep: dict, chars: np.ndarray) -> np.ndarray:
@@ -663,48 +850,144 @@ def _write_meta(directory, cfg, manifest, release_cfg, llm_cfg, tokenizer) -> No
 # CLI
 
 
-def _progress_bar() -> Callable[[int, int], None] | None:
+class _ProgressBar:
+    """A tqdm bar on stderr, shown from the first progress on; ``close`` ends its line (so that
+    an error prints on a line of its own)."""
+
+    def __init__(self, tqdm):
+        self.tqdm, self.bar = tqdm, None
+
+    @classmethod
+    def make(cls) -> _ProgressBar | None:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return None  # the library logs percentages instead
+        return cls(tqdm)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = self.tqdm(
+                total=total, unit="B", unit_scale=True, desc="converting", file=sys.stderr
+            )
+        self.bar.total = total
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fail(message: str, status: int = 1) -> typing.NoReturn:
+    """Exits with ``message`` as one line on stderr."""
+    print("voicechat-convert: " + " ".join(message.split()), file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+class Signals:
+    """SIGINT and SIGTERM as ``Interrupted``: raised at once, or at the end of ``held()``.
+
+    The CLI installs one for the whole conversion and passes ``held`` to ``convert`` as
+    ``uninterrupted``. After the first signal both go back to their default: a second one while
+    the partial directory is being removed ends the process at once (the next conversion to the
+    same ``--dst`` removes what is left).
+    """
+
+    def __init__(self):
+        self._depth, self._pending = 0, None
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self._depth:
+            self._pending = signum
+            return
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Signals arriving inside are raised when it ends."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth and self._pending is not None:
+                signum, self._pending = self._pending, None
+                raise Interrupted(signum)
+
+
+def _check(directory: str, verify: ckpt.Verify) -> None:
     try:
-        from tqdm import tqdm
-    except ImportError:
-        return None  # the library logs percentages instead
-    bar = tqdm(total=1, unit="B", unit_scale=True, desc="converting", file=sys.stderr)
-
-    def update(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
-    return update
+        done = ckpt.check(directory, verify)
+    except Interrupted as e:
+        _fail(str(e), 128 + e.signum)
+    except ckpt.CheckpointError as e:
+        _fail(str(e))
+    print(
+        f"{done.directory}: {done.files} files, {done.bytes:,} bytes verified ({done.verify}) "
+        f"in {done.seconds:.2f} s"
+    )
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not FLAGS.src or not (FLAGS.dst or FLAGS.dry_run):
-        raise app.UsageError("--src and --dst are required (--dst not with --dry_run)")
+        _fail(f"unexpected arguments {argv[1:]} {_FLAGS_HINT}", 2)
+    signals = Signals()
+    if FLAGS.check:
+        _check(FLAGS.check, ckpt.Verify(FLAGS.verify))
+        return
     precision = Precision.fp32() if FLAGS.precision == "fp32" else Precision.reference()
     logging.info("converting %s -> %s (%s)", FLAGS.src, FLAGS.dst, precision)
+    bar = None if FLAGS.dry_run else _ProgressBar.make()
     try:
-        result = convert(
-            FLAGS.src,
-            FLAGS.dst,
-            tokenizer=FLAGS.tokenizer,
-            llm_config=FLAGS.llm_config,
-            dry_run=FLAGS.dry_run,
-            precision=precision,
-            progress=None if FLAGS.dry_run else _progress_bar(),
-            revision=FLAGS.revision,
-            text_table=FLAGS.text_table,
+        try:
+            result = convert(
+                FLAGS.src,
+                FLAGS.dst,
+                tokenizer=FLAGS.tokenizer,
+                llm_config=FLAGS.llm_config,
+                dry_run=FLAGS.dry_run,
+                precision=precision,
+                progress=bar,
+                revision=FLAGS.revision,
+                text_table=FLAGS.text_table,
+                shard_bytes=FLAGS.shard_bytes,
+                uninterrupted=signals.held,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+    except Interrupted as e:
+        _fail(
+            f"{e}" + ("" if FLAGS.dry_run else f"; nothing was written to {FLAGS.dst}"),
+            128 + e.signum,
         )
-    except ConversionError as e:
-        sys.exit(f"voicechat-convert: {e}")
+    except (ConversionError, OSError) as e:
+        _fail(str(e))
+    except Exception as e:  # a bug: still one line, the traceback at --verbosity=1
+        logging.debug("the conversion failed", exc_info=True)
+        _fail(f"{type(e).__name__}: {e} (--verbosity=1 logs the traceback)")
     print(result.listing if FLAGS.dry_run else f"wrote {result.dst} in {result.seconds:.0f} s")
+
+
+_FLAGS_HINT = "(--helpshort lists the flags)"
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, each error as one line (absl's own prints two)."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e} {_FLAGS_HINT}", 2)
 
 
 def run() -> None:
     """Console-script entry point."""
     _define_flags()
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
