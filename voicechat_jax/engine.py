@@ -15,7 +15,6 @@ says otherwise); a server that should use the whole card sets ``XLA_PYTHON_CLIEN
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -219,14 +218,16 @@ def build_template(params, cfg: ModelConfig, serve: ServeConfig, precision: Prec
 
     Jitted because op by op the 11B template took ~60 s on an H200, mostly per-op compiles.
     """
-    initial = jax.jit(
-        functools.partial(
-            voicechat.initial_state,
-            cfg=cfg,
-            precision=precision,
-            max_len=serve.context_frames,
-            system_prompt=serve.system_prompt,
-            deterministic=serve.deterministic,
-        )
-    )
-    return initial(params)
+
+    def initial(p):
+        with precision.scope():
+            return voicechat.initial_state(
+                p,
+                cfg=cfg,
+                precision=precision,
+                max_len=serve.context_frames,
+                system_prompt=serve.system_prompt,
+                deterministic=serve.deterministic,
+            )
+
+    return jax.jit(initial)(params)

@@ -5,13 +5,28 @@ perception encoder, the speech decoder and the codec in fp32 (NVIDIA notes that 
 decoder hallucinates); the Mamba-2 SSM state is kept in fp32 (``mamba_ssm_cache_dtype=float32``).
 ``Precision.reference()`` is that policy; ``Precision.fp32()`` runs everything in fp32, which is
 what the parity tests against the torch references use.
+
+Matrix products of fp32 inputs: torch computes them in full fp32 by default
+(``torch.backends.cuda.matmul.allow_tf32 = False``), while XLA on a GPU rounds their inputs to
+TF32 unless told otherwise. ``matmul`` pins the choice for every program the engine traces
+(``scope()``): 'float32' in the faithful policies, 'tensorfloat32' in ``tf32()``. It changes nothing
+on the CPU (always fp32) and nothing for bf16 products (the LLM).
+
+Policies beside the faithful default, for capacity (each measured for its deviation and speed):
+``tf32()`` (TF32 products in the encoder and the speech decoder; the codec's and the SSM's
+products keep their explicit ``HIGHEST``), ``bf16_tts_kv()`` (the speech
+decoder's KV cache, the largest per-session state, stored in bf16: half its bytes), and
+``tf32_bf16_tts_kv()`` (both).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+
+MATMUL = ("float32", "tensorfloat32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +41,18 @@ class Precision:
     tts: jnp.dtype = jnp.float32  # EarTTS backbone, text side, MoG head
     tts_kv: jnp.dtype = jnp.float32  # EarTTS backbone KV cache (the largest per-session state)
     codec: jnp.dtype = jnp.float32  # RVQ-VAE codec
+    matmul: str = "float32"  # fp32 products: 'float32' (as torch) | 'tensorfloat32' (TF32 on GPUs)
+
+    def __post_init__(self):
+        if self.matmul not in MATMUL:
+            raise ValueError(f"matmul must be one of {MATMUL}: {self.matmul!r}")
+
+    def scope(self):
+        """The context in which the engine traces its programs (``jax.default_matmul_precision``).
+
+        Explicit ``precision=`` arguments (the codec's and the SSM's ``HIGHEST``) still win.
+        """
+        return jax.default_matmul_precision(self.matmul)
 
     @classmethod
     def reference(cls) -> Precision:
@@ -37,3 +64,35 @@ class Precision:
         """Everything in fp32: the setting of the parity tests."""
         f = jnp.float32
         return cls(encoder=f, llm=f, llm_kv=f, ssm_state=f, rnnt=f, tts=f, tts_kv=f, codec=f)
+
+    @classmethod
+    def tf32(cls) -> Precision:
+        """The reference dtypes with TF32 products for fp32 inputs (encoder, speech decoder)."""
+        return cls(matmul="tensorfloat32")
+
+    @classmethod
+    def bf16_tts_kv(cls) -> Precision:
+        """The reference policy with the speech decoder's KV cache in bf16."""
+        return cls(tts_kv=jnp.bfloat16)
+
+    @classmethod
+    def tf32_bf16_tts_kv(cls) -> Precision:
+        """TF32 products and a bf16 speech-decoder KV cache."""
+        return cls(matmul="tensorfloat32", tts_kv=jnp.bfloat16)
+
+
+POLICIES = {
+    "reference": Precision.reference,
+    "fp32": Precision.fp32,
+    "tf32": Precision.tf32,
+    "bf16_tts_kv": Precision.bf16_tts_kv,
+    "tf32_bf16_tts_kv": Precision.tf32_bf16_tts_kv,
+}
+
+
+def policy(name: str) -> Precision:
+    """The named policy (``POLICIES``); a clear error for an unknown name."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"precision must be one of {', '.join(POLICIES)}: {name!r}") from None

@@ -111,8 +111,19 @@ def tick(
 
 def make_tick(cfg: ModelConfig, serve: ServeConfig, precision: Precision) -> Callable:
     """The jitted tick for one server configuration; argument 1 (the state) is donated."""
-    fn = functools.partial(tick, cfg=cfg, serve=serve, precision=precision)
-    return jax.jit(fn, donate_argnums=(1,))
+    return jax.jit(_in_scope(tick, cfg=cfg, serve=serve, precision=precision), donate_argnums=(1,))
+
+
+def _in_scope(fn: Callable, **kw) -> Callable:
+    """``fn`` with ``kw`` bound, traced inside the precision policy's matmul scope."""
+    precision = kw["precision"]
+
+    @functools.wraps(fn)
+    def scoped(*args):
+        with precision.scope():
+            return fn(*args, **kw)
+
+    return scoped
 
 
 def resident_loop(
@@ -169,7 +180,7 @@ def resident_loop(
 
 def make_resident(cfg: ModelConfig, serve: ServeConfig, precision: Precision, next_beat, deliver):
     """The jitted resident loop; the state (argument 1) is donated."""
-    fn = functools.partial(
+    fn = _in_scope(
         resident_loop,
         next_beat=next_beat,
         deliver=deliver,
