@@ -1,0 +1,139 @@
+"""Live calls per GPU at the two-minute cap: the real-time server per precision policy, and the
+batch-1 baseline of a request server. See README.md.
+
+For each policy in ``--policies`` and each session count in ``--sessions`` (slots = sessions, every
+session live for the whole run): the dispatch tick's device time back to back (``--probe_ticks``),
+then, unless that probe already misses the beat at its median, the real-time server for
+``--ticks`` beats per loop in ``--loops``. A point holds when it has zero missed ticks; the
+capacity of a policy is its largest holding session count. The batch-1 baseline advances one
+session alone per call (a 1-slot engine, one state per session, one call after another within a
+beat) and reports how many such calls fit in a beat at their p99.
+
+Every attention in the XLA path reads its whole cache whatever the fill, so these rows are the
+worst case of a full two-minute context on every tick. Rows go to ``--out`` as JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+from experiments.beat_latency import run as beat_latency
+from voicechat_jax import config as config_lib
+from voicechat_jax.engine import Engine
+from voicechat_jax.precision import policy
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("policies", ["reference"], "Precision policies (voicechat_jax.precision).")
+flags.DEFINE_integer("probe_ticks", 20, "Back-to-back ticks timed before serving a point.")
+flags.DEFINE_integer("baseline_ticks", 200, "Ticks timed for the batch-1 baseline (0: skip).")
+
+WEIGHTS_GB = 26.0  # bf16 LLM + fp32 rest, read once per frame-step (serving-spec §3)
+SESSION_GB = 1.1  # per session per frame-step at the 1,500-frame cap (serving-spec §3)
+
+
+def probe(engine: Engine, ticks: int) -> np.ndarray:
+    """Device time (ms) of ``ticks`` dispatch ticks with every slot live, one after another."""
+    engine.reset()
+    beat = engine.empty_beat()
+    beat.admit[:] = True
+    jax.block_until_ready(engine.tick(beat))
+    beat = engine.empty_beat()
+    times = []
+    for _ in range(ticks):
+        t = time.perf_counter()
+        jax.block_until_ready(engine.tick(beat))
+        times.append((time.perf_counter() - t) * 1e3)
+    return np.asarray(times)
+
+
+def baseline(params, cfg, precision, template, ticks: int) -> dict:
+    """A request server's way: one session per call. The 1-slot tick's time decides the count."""
+    serve = config_lib.ServeConfig(slots=1, frames_per_tick=2, context_frames=FLAGS.context_frames)
+    engine = Engine(params, cfg, serve, precision, template=template)
+    engine.compile_tick()
+    times = probe(engine, ticks)
+    period = serve.beat_ms
+    p99 = float(np.percentile(times, 99))
+    return {
+        "kind": "baseline",
+        "ms_p50": float(np.median(times)),
+        "ms_p99": p99,
+        "sessions_held": int(period // p99),
+    }
+
+
+def _write(row: dict) -> None:
+    logging.info("%s", row)
+    if FLAGS.out:
+        with open(FLAGS.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def main(argv):
+    del argv
+    cfg = config_lib.PRESETS[FLAGS.model]()
+    rows = []
+    for name in FLAGS.policies:
+        precision = policy(name)
+        params = beat_latency.init_params(cfg, precision)
+        template = None
+        if FLAGS.baseline_ticks:
+            template = beat_latency.make_engine(params, cfg, precision, 1).template
+            row = baseline(params, cfg, precision, template, FLAGS.baseline_ticks)
+            row["policy"] = name
+            _write(row)
+            rows.append(row)
+        for n in (int(x) for x in FLAGS.sessions):
+            try:
+                engine = beat_latency.make_engine(params, cfg, precision, n, template)
+            except Exception as e:  # a count that does not fit is a result
+                _write({"kind": "error", "policy": name, "sessions": n, "error": str(e)[:300]})
+                continue
+            template = engine.template
+            engine.compile_tick()
+            times = probe(engine, FLAGS.probe_ticks)
+            beat_ms = float(np.median(times))
+            floor_ms = 2 * (WEIGHTS_GB + SESSION_GB * n) / 3.7  # two frame-steps at 3.7 TB/s
+            point = {
+                "kind": "probe",
+                "policy": name,
+                "sessions": n,
+                "tick_ms_p50": beat_ms,
+                "tick_ms_max": float(times.max()),
+                "floor_ms": floor_ms,
+                "gpu_s_per_conversation_hour_busy": 3600.0 * beat_ms / engine.serve.beat_ms / n,
+                "gpu_s_per_conversation_hour_reserved": 3600.0 / n,
+            }
+            _write(point)
+            rows.append(point)
+            if beat_ms >= engine.serve.beat_ms:
+                del engine
+                continue  # it cannot hold at its median: no need to serve it
+            for loop in FLAGS.loops:
+                row = beat_latency.measure(engine, loop) | {"kind": "serve", "policy": name}
+                _write(row)
+                rows.append(row)
+            engine.state = None
+            del engine
+        del params, template
+    served = [r for r in rows if r["kind"] == "serve"]
+    if served:
+        beat_latency.print_table(served)
+    for name in FLAGS.policies:
+        held = [r["sessions"] for r in served if r["policy"] == name and r["missed_ticks"] == 0]
+        base = [r for r in rows if r["kind"] == "baseline" and r["policy"] == name]
+        print(
+            f"{name}: capacity {max(held) if held else 0} sessions with zero misses"
+            + (f"; batch-1 baseline holds {base[0]['sessions_held']}" if base else "")
+        )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    app.run(main)
