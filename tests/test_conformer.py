@@ -272,7 +272,7 @@ def test_full_size_key_table(monkeypatch):
 def test_full_size_state_shapes():
     cfg = voicechat_11b().encoder
     state = jax.eval_shape(lambda: conformer.init_state(cfg, 3, Precision.reference()))
-    assert state.att_cache.shape == (3, 24, 70, 1024)
+    assert state.att_k.shape == state.att_v.shape == (3, 24, 70, 1024)
     assert state.conv_cache.shape == (3, 24, 8, 1024)
     assert state.pre_cache.shape == (3, 9, 128)
     assert state.mel_tail.shape == (3, 1377)

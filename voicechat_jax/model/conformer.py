@@ -28,11 +28,14 @@ code they mirror:
   Attention (Transformer-XL): scores ``((q + u) k + (q + v) W_pos pe(q - k)) / sqrt(H)``, masked
   to the ``left`` previous frames and the frame itself (``chunked_limited``, chunk 1), with cache
   entries that do not exist yet masked (``cache_last_channel_len``); masked scores are -10000 and
-  their probabilities 0, as ``forward_attention`` does. The attention cache holds the last
-  ``left`` *normed layer inputs* (NeMo's ``cache_last_channel``; keys and values are recomputed
-  from it every step). Conv: pointwise Linear D->2D, GLU, causal depthwise conv (kernel K, the last
-  K-1 GLU outputs cached: ``cache_last_time``), LayerNorm (``conv_norm_type: layer_norm``, the
-  tensor is still named ``batch_norm``), SiLU, pointwise Linear D->D. No biases in the layers
+  their probabilities 0, as ``forward_attention`` does. NeMo's attention cache
+  (``cache_last_channel``) holds the last ``left`` normed layer inputs and recomputes keys and
+  values from all of them every step; here the cache holds those inputs' *projected keys and
+  values* (``linear_k`` / ``linear_v`` have no bias and act row by row, so this is the same
+  function), and a step projects only its own new frames: ``T`` rows instead of ``S + T``.
+  Conv: pointwise Linear D->2D, GLU, causal depthwise conv (kernel K, the last K-1 GLU outputs
+  cached: ``cache_last_time``), LayerNorm (``conv_norm_type: layer_norm``, the tensor is still
+  named ``batch_norm``), SiLU, pointwise Linear D->D. No biases in the layers
   (``use_bias: false``); the subsampling convs and ``proj`` have biases.
 
 ``k`` frames in one call equal ``k`` calls of one frame: the ``k`` frames go through the layers
@@ -147,7 +150,8 @@ class EncoderState:
 
     mel_tail: jax.Array  # [B, tail_len] fp32 raw samples (see ``mel``)
     pre_cache: jax.Array  # [B, pre_encode_cache, M] fp32 last mel frames (zeros before the stream)
-    att_cache: jax.Array  # [B, L, S, D] last S normed attention inputs per layer
+    att_k: jax.Array  # [B, L, S, D] keys (linear_k) of the last S normed attention inputs
+    att_v: jax.Array  # [B, L, S, D] their values (linear_v)
     conv_cache: jax.Array  # [B, L, K - 1, D] last K-1 GLU outputs per layer
     pos: jax.Array  # [B] int32 input frames (= encoder frames) consumed so far
 
@@ -264,7 +268,8 @@ def init_state(cfg: EncoderConfig, batch: int, precision: Precision) -> EncoderS
     return EncoderState(
         mel_tail=mel_lib.init_tail(cfg.mel, batch),
         pre_cache=jnp.zeros((batch, cfg.pre_encode_cache, cfg.mel.n_mels), mel_lib.MEL_DTYPE),
-        att_cache=jnp.zeros((batch, L, cfg.att_left_context, D), dt),
+        att_k=jnp.zeros((batch, L, cfg.att_left_context, D), dt),
+        att_v=jnp.zeros((batch, L, cfg.att_left_context, D), dt),
         conv_cache=jnp.zeros((batch, L, cfg.conv_kernel - 1, D), dt),
         pos=jnp.zeros((batch,), jnp.int32),
     )
@@ -314,21 +319,27 @@ def _feed_forward(p: FeedForwardParams, x: jax.Array, eps: float) -> jax.Array:
 def _attention(
     p: AttentionParams,
     x: jax.Array,
-    cache: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
     mask: jax.Array,
     rel_idx: np.ndarray,
     pe: np.ndarray,
     eps: float,
-) -> tuple[jax.Array, jax.Array]:
-    """Rel-pos MHA over [cache, new frames]: x [B, T, D], cache [B, S, D] -> (y, cache)."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rel-pos MHA over [cache, new frames]: x [B, T, D], k/v caches [B, S, D] -> (y, k, v).
+
+    Only the ``T`` new frames are projected; the cache already holds the earlier frames' keys and
+    values. Returns the output and the caches shifted by ``T``.
+    """
     B, T, D = x.shape
     N, H = p.pos_bias_u.shape
-    S = cache.shape[1]
+    S = k_cache.shape[1]
     xn = layer_norm(x, p.norm, p.norm_b, eps)
-    kv = jnp.concatenate([cache, xn], axis=1)  # [B, S + T, D]
     q = dense(xn, p.q).reshape(B, T, N, H)
-    k = dense(kv, p.k).reshape(B, S + T, N, H)
-    v = dense(kv, p.v).reshape(B, S + T, N, H)
+    keys = jnp.concatenate([k_cache, dense(xn, p.k).astype(k_cache.dtype)], axis=1)  # [B, S+T, D]
+    values = jnp.concatenate([v_cache, dense(xn, p.v).astype(v_cache.dtype)], axis=1)
+    k = keys.astype(x.dtype).reshape(B, S + T, N, H)
+    v = values.astype(x.dtype).reshape(B, S + T, N, H)
     pos = dense(jnp.asarray(pe, x.dtype), p.pos).reshape(-1, N, H)[rel_idx]  # [T, S + T, N, H]
     ac = jnp.einsum("btnh,bsnh->bnts", q + p.pos_bias_u.astype(x.dtype), k)
     bd = jnp.einsum("btnh,tsnh->bnts", q + p.pos_bias_v.astype(x.dtype), pos)
@@ -337,7 +348,7 @@ def _attention(
     probs = jax.nn.softmax(jnp.where(m, scores, _MASKED_SCORE), axis=-1)
     probs = jnp.where(m, probs, 0.0).astype(x.dtype)
     y = jnp.einsum("bnts,bsnh->btnh", probs, v).reshape(B, T, D)
-    return dense(y, p.o), kv[:, T:]
+    return dense(y, p.o), keys[:, T:], values[:, T:]
 
 
 def _convolution(
@@ -359,11 +370,12 @@ def _convolution(
 def _layers(
     p: LayerParams,
     x: jax.Array,
-    att_cache: jax.Array,
+    att_k: jax.Array,
+    att_v: jax.Array,
     conv_cache: jax.Array,
     mask: jax.Array,
     cfg: EncoderConfig,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The L Conformer layers (``lax.scan``): x [B, T, D], caches [B, L, ...] -> (y, caches)."""
     T = x.shape[1]
     S, eps = cfg.att_left_context, cfg.ln_eps
@@ -374,24 +386,25 @@ def _layers(
     def layer(carry, xs):
         # The caches stay [B, L, ...] and are carried: layer l's slab is read and written back in
         # place (no transpose of the whole cache around the scan).
-        h, att, conv = carry
+        h, ak, av, conv = carry
         lp, l = xs
         h = h + 0.5 * _feed_forward(lp.ff1, h, eps)
-        y, ac = _attention(lp.attn, h, att[:, l], mask, rel_idx, pe, eps)
+        y, k_l, v_l = _attention(lp.attn, h, ak[:, l], av[:, l], mask, rel_idx, pe, eps)
         h = h + y
         y, cc = _convolution(lp.conv, h, conv[:, l], eps)
         h = h + y
         h = h + 0.5 * _feed_forward(lp.ff2, h, eps)
         h = layer_norm(h, lp.out_norm, lp.out_norm_b, eps)
-        att = jax.lax.dynamic_update_index_in_dim(att, ac.astype(att.dtype), l, axis=1)
+        ak = jax.lax.dynamic_update_index_in_dim(ak, k_l, l, axis=1)
+        av = jax.lax.dynamic_update_index_in_dim(av, v_l, l, axis=1)
         conv = jax.lax.dynamic_update_index_in_dim(conv, cc.astype(conv.dtype), l, axis=1)
-        return (h, att, conv), None
+        return (h, ak, av, conv), None
 
-    L = att_cache.shape[1]
-    (y, att_cache, conv_cache), _ = jax.lax.scan(
-        layer, (x, att_cache, conv_cache), (p, jnp.arange(L))
+    L = att_k.shape[1]
+    (y, att_k, att_v, conv_cache), _ = jax.lax.scan(
+        layer, (x, att_k, att_v, conv_cache), (p, jnp.arange(L))
     )
-    return y, att_cache, conv_cache
+    return y, att_k, att_v, conv_cache
 
 
 def _attention_mask(pos: jax.Array, T: int, S: int) -> jax.Array:
@@ -440,14 +453,15 @@ def encoder_step(
     if cfg.xscaling:
         x = x * math.sqrt(cfg.d_model)
     mask = _attention_mask(state.pos, k, S)
-    enc, att_cache, conv_cache = _layers(
-        params.layers, x, state.att_cache, state.conv_cache, mask, cfg
+    enc, att_k, att_v, conv_cache = _layers(
+        params.layers, x, state.att_k, state.att_v, state.conv_cache, mask, cfg
     )
     proj = dense(enc, params.proj, params.proj_b)
     state = EncoderState(
         mel_tail=mel_tail,
         pre_cache=frames[:, -cfg.pre_encode_cache :],
-        att_cache=att_cache,
+        att_k=att_k,
+        att_v=att_v,
         conv_cache=conv_cache,
         pos=state.pos + k,
     )
