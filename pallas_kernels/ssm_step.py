@@ -6,8 +6,8 @@ The recurrent update of one frame of one Mamba-2 layer (``mamba_ssm``'s
 with its group ``k = n // G``:
 
     decay       = exp(dt[b, n] * A[n])                                  (dt already softplus'ed)
-    state[b, n] = decay * state[b, n] + dt[b, n] * outer(x[b, n], B[b, k])       [H, P]
-    y[b, n]     = state[b, n] @ C[b, k] + D[n] * x[b, n]                         [H]
+    state[b, n] = decay * state[b, n] + dt[b, n] * outer(x[b, n], b_mat[b, k])       [H, P]
+    y[b, n]     = state[b, n] @ c_mat[b, k] + D[n] * x[b, n]                         [H]
 
 with the NEW state in ``y``. Why a kernel: the state is fp32 [B, L_m, N, H, P] (283 MB per
 session at 11B) and must be read and written once per frame; XLA's path gathers layer j into a new
@@ -16,8 +16,9 @@ buffer (``input_output_aliases``): under ``jit`` with the state donated (or carr
 only layer j's bytes are read and written, once.
 
 Axis letters are those of ``voicechat_jax.model`` inside the Mamba mixer: ``B`` slots, ``L_m``
-Mamba layers, ``N`` Mamba heads, ``H`` Mamba head dim, ``P`` SSM state size, ``K`` B/C groups
-(``n_groups``), ``G = N // K`` heads per group (heads ``k*G .. k*G + G - 1`` read group k).
+Mamba layers, ``N`` Mamba heads, ``H`` Mamba head dim, ``P`` SSM state size, ``K`` groups
+sharing ``b_mat``/``c_mat`` (``n_groups``), ``G = N // K`` heads per group (heads
+``k*G .. k*G + G - 1`` read group k).
 
 Arguments (both functions):
 
@@ -30,7 +31,8 @@ Arguments (both functions):
   ``time_step_limit`` is (0, inf)); upcast to fp32. The softplus stays outside so that both paths
   see bit-identical dt (it is [B, N] elementwise work XLA fuses for free).
 - ``A``: [N] = ``-exp(A_log)``, fp32.
-- ``B``, ``C``: [B, K, P] the input and output projections of each group, any float dtype.
+- ``b_mat``, ``c_mat``: [B, K, P] Mamba's B and C, the input and output projections of each
+  group, any float dtype.
 - ``D``: [N] the skip, fp32.
 
 Returns ``(new_state, y)``: ``new_state`` of ``state``'s shape and dtype (the same buffer in the
@@ -42,13 +44,13 @@ only in summation order (about 1e-7 relative in fp32).
 
 Kernel layout: grid ``(B, N / block_heads, H / block_rows)``; one program reads and writes one
 [block_heads, block_rows, P] tile of the state (and y's [block_heads, block_rows] tile), with the
-tile's dt, A, D and its group's B and C row. ``block_heads`` must divide G (a tile reads a single
-group's B and C), ``block_rows`` must divide H (no padding: a padded tile cannot alias). On the GPU
-(Triton lowering) every tile dimension must be a power of two (``block_heads``, ``block_rows``, P);
-at 11B H = 80, so rows are tiled by 16. The Triton backend is chosen explicitly through
-``jax.experimental.pallas.triton.CompilerParams`` (jax's default GPU lowering of ``pallas_call``
-is Mosaic GPU in some versions). ``interpret=True`` runs the kernel through the Pallas interpreter
-(CPU tests).
+tile's dt, A, D and its group's ``b_mat`` and ``c_mat`` row. ``block_heads`` must divide G (a
+tile reads a single group's ``b_mat`` and ``c_mat``), ``block_rows`` must divide H (no padding: a
+padded tile cannot alias). On the GPU (Triton lowering) every tile dimension must be a power of
+two (``block_heads``, ``block_rows``, P); at 11B H = 80, so rows are tiled by 16. The Triton
+backend is chosen explicitly through ``jax.experimental.pallas.triton.CompilerParams`` (jax's
+default GPU lowering of ``pallas_call`` is Mosaic GPU in some versions). ``interpret=True`` runs
+the kernel through the Pallas interpreter (CPU tests).
 """
 
 from __future__ import annotations
@@ -69,26 +71,26 @@ def ssm_step_reference(
     x: jax.Array,
     dt: jax.Array,
     A: jax.Array,
-    B: jax.Array,
-    C: jax.Array,
+    b_mat: jax.Array,
+    c_mat: jax.Array,
     D: jax.Array,
     *,
     layer: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The single-step SSM update in plain jnp, fp32 (the module docstring states the contract).
 
-    The same operations as ``nano._mamba_step``'s jnp path: heads grouped as [K, G] so that B and
-    C broadcast over the heads of their group.
+    The same operations as ``nano._mamba_step``'s jnp path: heads grouped as [K, G] so that
+    ``b_mat`` and ``c_mat`` broadcast over the heads of their group.
     """
     one = state[:, layer] if layer is not None else state  # [B, N, H, P]
-    Bsz, N, H, P = one.shape
-    K = B.shape[1]
+    B, N, H, P = one.shape
+    K = b_mat.shape[1]
     G = N // K
-    s = one.astype(F32).reshape(Bsz, K, G, H, P)
-    x = x.astype(F32).reshape(Bsz, K, G, H)
-    dt = dt.astype(F32).reshape(Bsz, K, G)
+    s = one.astype(F32).reshape(B, K, G, H, P)
+    x = x.astype(F32).reshape(B, K, G, H)
+    dt = dt.astype(F32).reshape(B, K, G)
     A = A.astype(F32).reshape(K, G)
-    b, c = B.astype(F32), C.astype(F32)  # [B, K, P]
+    b, c = b_mat.astype(F32), c_mat.astype(F32)  # [B, K, P]
     s = s * jnp.exp(dt * A)[..., None, None] + jnp.einsum(
         "bkg,bkgh,bkp->bkghp", dt, x, b, precision=_HIGHEST
     )
@@ -97,7 +99,7 @@ def ssm_step_reference(
     new = s.reshape(one.shape).astype(state.dtype)
     if layer is not None:
         new = state.at[:, layer].set(new)
-    return new, y.reshape(Bsz, N, H)
+    return new, y.reshape(B, N, H)
 
 
 def _kernel(state_ref, x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, new_state_ref, y_ref):
@@ -107,7 +109,7 @@ def _kernel(state_ref, x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, new_state_ref,
     b = b_ref[...].astype(F32)  # [P] this tile's group
     c = c_ref[...].astype(F32)  # [P]
     decay = jnp.exp(dt * a_ref[...].astype(F32))  # [bh]
-    dtx = dt[:, None] * x  # [bh, R]: dt x first, then B, as the reference's einsum contracts
+    dtx = dt[:, None] * x  # [bh, R]: dt x first, then b_mat, as the reference's einsum contracts
     s = state_ref[...].astype(F32) * decay[:, None, None] + dtx[:, :, None] * b[None, None, :]
     new_state_ref[...] = s.astype(new_state_ref.dtype)
     y = jnp.sum(s * c[None, None, :], axis=-1)  # [bh, R] fp32 sum over P
@@ -137,8 +139,8 @@ def ssm_step(
     x: jax.Array,
     dt: jax.Array,
     A: jax.Array,
-    B: jax.Array,
-    C: jax.Array,
+    b_mat: jax.Array,
+    c_mat: jax.Array,
     D: jax.Array,
     *,
     layer: int | None = None,
@@ -176,16 +178,16 @@ def ssm_step(
     else:
         _check(state.ndim == 4, f"state must be [B, N, H, P] without layer: {state.shape}")
         s5, layer = state[:, None], 0  # a free reshape; keeps one kernel for both layouts
-    Bsz, _, N, H, P = s5.shape
-    K = B.shape[1]
+    B, _, N, H, P = s5.shape
+    K = b_mat.shape[1]
     _check(N % K == 0, f"heads N={N} must be a multiple of the groups K={K}")
     G = N // K
     for name, arr, shape in (
-        ("x", x, (Bsz, N, H)),
-        ("dt", dt, (Bsz, N)),
+        ("x", x, (B, N, H)),
+        ("dt", dt, (B, N)),
         ("A", A, (N,)),
-        ("B", B, (Bsz, K, P)),
-        ("C", C, (Bsz, K, P)),
+        ("b_mat", b_mat, (B, K, P)),
+        ("c_mat", c_mat, (B, K, P)),
         ("D", D, (N,)),
     ):
         _check(arr.shape == shape, f"{name} must have shape {shape}: {arr.shape}")
@@ -193,7 +195,8 @@ def ssm_step(
     bh = _default_block_heads(G, R, P) if block_heads is None else block_heads
     _check(
         bh >= 1 and G % bh == 0,
-        f"block_heads={bh} must divide the heads per group G={G} (a tile reads one group's B, C)",
+        f"block_heads={bh} must divide the heads per group G={G} "
+        "(a tile reads one group's b_mat, c_mat)",
     )
     _check(R >= 1 and H % R == 0, f"block_rows={R} must divide the head dim H={H}")
 
@@ -205,16 +208,16 @@ def ssm_step(
         _kernel,
         out_shape=(
             jax.ShapeDtypeStruct(s5.shape, s5.dtype),
-            jax.ShapeDtypeStruct((Bsz, N, H), F32),
+            jax.ShapeDtypeStruct((B, N, H), F32),
         ),
-        grid=(Bsz, N // bh, H // R),
+        grid=(B, N // bh, H // R),
         in_specs=[
             tile,  # state
             rows,  # x
             pl.BlockSpec((None, bh), lambda b, n, r: (b, n)),  # dt
             pl.BlockSpec((bh,), lambda b, n, r: (n,)),  # A
-            group,  # B
-            group,  # C
+            group,  # b_mat
+            group,  # c_mat
             pl.BlockSpec((bh,), lambda b, n, r: (n,)),  # D
         ],
         out_specs=(tile, rows),
@@ -222,5 +225,5 @@ def ssm_step(
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps),
         name="ssm_step",
-    )(s5, x, dt, A, B, C, D)
+    )(s5, x, dt, A, b_mat, c_mat, D)
     return (new5 if stacked else new5[:, 0]), y

@@ -159,7 +159,7 @@ def test_bad_shapes_are_refused():
     state, x, dt, A, Bm, Cm, D = inputs(2, 8, 2, 8, 16)
     with pytest.raises(ValueError, match="x must have shape"):
         ssm_step(state, x[:, :4], dt, A, Bm, Cm, D, interpret=True)
-    with pytest.raises(ValueError, match="C must have shape"):
+    with pytest.raises(ValueError, match="c_mat must have shape"):
         ssm_step(state, x, dt, A, Bm, Cm[..., :8], D, interpret=True)
 
 

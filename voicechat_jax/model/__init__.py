@@ -24,5 +24,18 @@ Axis alphabet, used in every einsum, shape comment and docstring of the package:
 ``C``  channels of a convolution
 ``P``  Mamba-2 SSM state size (``ssm_state_size``)
 ``E``  mixture components of the MoG head
+``M``  mel bins
+``Z``  the speech decoder's latent size (one RVQ frame before quantization)
+``Y``  codebook size of one quantizer (codes ``0 .. Y-1``; ``Y`` is the mask id)
+``U``  prompt positions (the speech decoder's speaker prompt, the LLM's system prompt)
+``X``  the SSD chunk length of the Mamba-2 prefill
+``J``  characters per token (the speech decoder's char-aware text side)
+``I``  tokens flattened into rows (the char encoder's batch)
+``O``  RNNT symbols per frame (``max_symbols``)
 ====  ==========================================================
+
+Inside the Mamba mixer ``N``/``H``/``K``/``G`` are its heads, head dim, B/C groups and heads per
+group (the GQA analogy); Mamba's B and C matrices are arrays ``b_mat``/``c_mat``, never letters.
+Each letter means one thing everywhere; a sub-network's further local axis takes an unused letter
+and is named in its module docstring.
 """

@@ -28,7 +28,7 @@ Notes on matching NeMo 3.0 exactly:
   (id ``V``, one padding char) is outside the table; its embedding row is zero in a trained model
   (``nn.Embedding(padding_idx=...)``), so it encodes as an empty row would (pooled zero).
 
-Axes: ``V`` text ids, ``C`` chars per token, ``D`` model dim, ``N``/``K``/``H`` heads, ``F`` MLP
+Axes: ``V`` text ids, ``J`` chars per token, ``D`` model dim, ``N``/``K``/``H`` heads, ``F`` MLP
 dim, ``L`` encoder layers (``cas_layers``).
 """
 
@@ -141,7 +141,7 @@ def char_vocab(vocab: Mapping[str, int]) -> dict[str, int]:
 
 
 def char_table(tokenizer: str | os.PathLike | Mapping[str, int]) -> np.ndarray:
-    """Every text id's char ids, [V, C] int32 padded with ``len(char vocab)``; ``V`` = max id + 1.
+    """Every text id's char ids, [V, J] int32 padded with ``len(char vocab)``; ``V`` = max id + 1.
 
     Mirrors ``build_vocabs`` (without torch or NeMo): a row lists the token's characters that are
     in the char vocabulary, in order; ids with none (or absent) are all padding.
@@ -169,21 +169,21 @@ def flags(params: CharEncoderParams, ids: jax.Array) -> jax.Array:
 
 
 def _encoder_layer(params: CharEncoderParams, l: int, h, mask, positions, *, cfg):
-    """One ``T5GemmaEncoderLayer``: h [M, C, D], mask [M, C] (real chars), positions [C]."""
-    M, C, _ = h.shape
+    """One ``T5GemmaEncoderLayer``: h [I, J, D], mask [I, J] (real chars), positions [J]."""
+    I, J, _ = h.shape
     G = cfg.n_heads // cfg.n_kv_heads
     eps = cfg.norm_eps
     y = rms_norm(h, params.pre_attn_norm[l], eps, offset=1.0)
     q = jnp.einsum("mcd,de->mce", y, params.q[l].astype(y.dtype))
     k = jnp.einsum("mcd,de->mce", y, params.k[l].astype(y.dtype))
     v = jnp.einsum("mcd,de->mce", y, params.v[l].astype(y.dtype))
-    q = q.reshape(M, C, cfg.n_heads, cfg.head_dim)
-    k = k.reshape(M, C, cfg.n_kv_heads, cfg.head_dim)
-    v = v.reshape(M, C, cfg.n_kv_heads, cfg.head_dim)
+    q = q.reshape(I, J, cfg.n_heads, cfg.head_dim)
+    k = k.reshape(I, J, cfg.n_kv_heads, cfg.head_dim)
+    v = v.reshape(I, J, cfg.n_kv_heads, cfg.head_dim)
     inv = jnp.asarray(rope_inv_freq(cfg.cas_rope_base, cfg.head_dim))
-    pos = jnp.broadcast_to(positions, (M, C))
+    pos = jnp.broadcast_to(positions, (I, J))
     q, k = apply_rope(q, pos, inv), apply_rope(k, pos, inv)
-    qg = q.reshape(M, C, cfg.n_kv_heads, G, cfg.head_dim)
+    qg = q.reshape(I, J, cfg.n_kv_heads, G, cfg.head_dim)
     logits = jnp.einsum("mckgh,mskh->mkgcs", qg, k, preferred_element_type=jnp.float32)
     logits = logits * cfg.query_pre_attn_scalar**-0.5
     if cfg.cas_apply_softcap:
@@ -191,7 +191,7 @@ def _encoder_layer(params: CharEncoderParams, l: int, h, mask, positions, *, cfg
     # bidirectional; padding chars are masked as keys only (a row with no chars stays finite)
     logits = jnp.where(mask[:, None, None, None, :], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-    a = jnp.einsum("mkgcs,mskh->mckgh", probs, v).reshape(M, C, cfg.n_heads * cfg.head_dim)
+    a = jnp.einsum("mkgcs,mskh->mckgh", probs, v).reshape(I, J, cfg.n_heads * cfg.head_dim)
     a = jnp.einsum("mce,ed->mcd", a, params.o[l].astype(a.dtype))
     h = h + rms_norm(a, params.post_attn_norm[l], eps, offset=1.0)
     y = rms_norm(h, params.pre_ff_norm[l], eps, offset=1.0)
@@ -206,23 +206,23 @@ def _encoder_layer(params: CharEncoderParams, l: int, h, mask, positions, *, cfg
 def encode(
     params: CharEncoderParams, chars: jax.Array, ids: jax.Array, *, cfg: SpeechDecoderConfig
 ) -> jax.Array:
-    """Text embeddings [..., D] of tokens ``ids`` [...] whose char rows are ``chars`` [..., C].
+    """Text embeddings [..., D] of tokens ``ids`` [...] whose char rows are ``chars`` [..., J].
 
     ``chars`` are rows of ``char_table`` (``chars[...] = table[ids]``), padded with
     ``cfg.char_vocab - 1``. Equals NeMo's ``CharAwareSubwordEncoder(ids)`` at masked-in positions.
     """
-    lead, C = chars.shape[:-1], chars.shape[-1]
-    chars = chars.reshape(-1, C)  # [M, C]
-    mask = chars != cfg.char_vocab - 1  # [M, C]
+    lead, J = chars.shape[:-1], chars.shape[-1]
+    chars = chars.reshape(-1, J)  # [I, J]
+    mask = chars != cfg.char_vocab - 1  # [I, J]
     dt = params.embed.dtype
-    h = params.embed[chars] * jnp.asarray(cfg.d_model**0.5, dt)  # [M, C, D]
-    positions = jnp.arange(C, dtype=jnp.int32)
+    h = params.embed[chars] * jnp.asarray(cfg.d_model**0.5, dt)  # [I, J, D]
+    positions = jnp.arange(J, dtype=jnp.int32)
     for l in range(cfg.cas_layers):
         h = _encoder_layer(params, l, h, mask, positions, cfg=cfg)
     h = rms_norm(h, params.final_norm, cfg.norm_eps, offset=1.0)
     maskf = mask[..., None].astype(h.dtype)
-    count = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1).astype(h.dtype)  # [M, 1]
-    pooled = jnp.sum(h * maskf, axis=1) / count  # [M, D]
+    count = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1).astype(h.dtype)  # [I, 1]
+    pooled = jnp.sum(h * maskf, axis=1) / count  # [I, D]
     out = jnp.einsum("md,de->me", pooled, params.proj.astype(pooled.dtype))
     out = out + flags(params, ids.reshape(-1)).astype(out.dtype)
     return out.reshape(*lead, out.shape[-1])
@@ -237,14 +237,14 @@ def subword_table(
 ) -> jax.Array:
     """``encode`` for every id 0..V-1: the [V, D] lookup table the step uses, ``chunk`` ids at once.
 
-    ``chars_table`` is ``char_table(tokenizer)`` [V, C]; memory is bounded by ``chunk * C``
+    ``chars_table`` is ``char_table(tokenizer)`` [V, J]; memory is bounded by ``chunk * J``
     positions per pass.
     """
     if isinstance(chars_table, np.ndarray) and chars_table.max(initial=0) > cfg.char_vocab - 1:
         raise ValueError(
             f"char ids up to {chars_table.max()} but cfg.char_vocab is {cfg.char_vocab}"
         )
-    V, C = chars_table.shape
+    V, J = chars_table.shape
     n = -(-V // chunk)
     pad_rows = n * chunk - V
     chars = jnp.pad(
@@ -253,6 +253,6 @@ def subword_table(
     ids = jnp.arange(n * chunk, dtype=jnp.int32)
     out = jax.lax.map(
         lambda a: encode(params, a[0], a[1], cfg=cfg),
-        (chars.reshape(n, chunk, C), ids.reshape(n, chunk)),
+        (chars.reshape(n, chunk, J), ids.reshape(n, chunk)),
     )
     return out.reshape(n * chunk, -1)[:V]

@@ -20,8 +20,8 @@ runs it:
   ``depthsum_encoding_step`` greedily encodes ``z`` into the round's quantizers.
 - ``warmup_state``: ``DuplexEARTTS.set_init_inputs(speaker_name=...)`` + ``get_init_inputs`` and
   the prefill ``RVQEARTTSModel.forward(audio_mask=...)`` with CFG: the speaker's cached
-  ``audio_prompt_latents`` on the first ``P - 1`` positions, BOS on the last one, the text side
-  ``[PAD] * (P - 1) + [EOS]`` embedded only on the last two positions. The first previous-code
+  ``audio_prompt_latents`` on the first ``U - 1`` positions, BOS on the last one, the text side
+  ``[PAD] * (U - 1) + [EOS]`` embedded only on the last two positions. The first previous-code
   frame is the mask frame (``code[:, -1:]``).
 - ``tts_step``: ``DuplexEARTTS.infer_codes_one_step`` + ``replace_control_speech_codes``, in the
   order of ``NemotronVoiceChat.offline_inference``:
@@ -46,7 +46,7 @@ split into the Gumbel and the Gaussian key), so a session's codes do not depend 
 
 Axes (see ``voicechat_jax.model``): ``B`` slots, ``T`` positions, ``S`` cache length, ``D`` model
 dim, ``Q`` quantizers, ``V`` text vocabulary, ``L`` layers, ``K`` kv heads, ``H`` head dim; local:
-``C`` codebook size (codes are ``0..C-1``; ``C`` is the mask id), ``Z`` latent size, ``P`` speaker
+``Y`` codebook size (codes are ``0..Y-1``; ``Y`` is the mask id), ``Z`` latent size, ``U`` speaker
 prompt frames.
 """
 
@@ -93,12 +93,12 @@ class TTSParams:
     char_encoder: char_encoder.CharEncoderParams
     text_table: jax.Array | None  # [V, D]  derived at load
     embed_code: jax.Array  # [Z, D]
-    rvq_embs: jax.Array  # [Q, C, Z]  fp32, the codec's mus_list; id C (mask) embeds as zero
+    rvq_embs: jax.Array  # [Q, Y, Z]  fp32, the codec's mus_list; id Y (mask) embeds as zero
     bos_emb: jax.Array  # [D]
     null_emb: jax.Array  # [D]  text side of the unconditional (CFG) row
     fusion: FusionParams
     mog: mog.MoGParams
-    prompt_latents: jax.Array  # [P, D]  audio_prompt_latents.<speaker>
+    prompt_latents: jax.Array  # [U, D]  audio_prompt_latents.<speaker>
     silence_codes: jax.Array  # [Q] int32  codec_silence_tokens
     control_codes: jax.Array  # [3] int32  _control_codes (speech BOS, EOS, PAD ids)
 
@@ -110,7 +110,7 @@ class TTSState:
     k: tuple[jax.Array, ...]  # L x [B, 2, K, S, H]  backbone keys; [:, 0] cond, [:, 1] uncond
     v: tuple[jax.Array, ...]  # L x [B, 2, K, S, H]  backbone values
     pos: jax.Array  # [B] int32  positions in the cache (prompt + frames run), both rows
-    prev_codes: jax.Array  # [B, Q] int32  previous frame's codes (C = mask before the first)
+    prev_codes: jax.Array  # [B, Q] int32  previous frame's codes (Y = mask before the first)
     frame: jax.Array  # [B] int32  tts_step calls since warm-up (0: the skipped first frame)
 
 
@@ -123,7 +123,7 @@ def init(key: jax.Array, cfg: ModelConfig, precision: Precision) -> TTSParams:
     """Random weights at a sane scale (norm weights near 0, gates and latents of order one)."""
     t = cfg.tts
     dt = precision.tts
-    D, Q, C, Z, P = t.d_model, t.n_quantizers, t.codebook_size, t.latent_size, t.prompt_frames
+    D, Q, Y, Z, U = t.d_model, t.n_quantizers, t.codebook_size, t.latent_size, t.prompt_frames
     k = jax.random.split(key, 16)
     enc = char_encoder.init(k[1], t, precision)
     params = TTSParams(
@@ -132,7 +132,7 @@ def init(key: jax.Array, cfg: ModelConfig, precision: Precision) -> TTSParams:
         text_table=None,
         embed_code=fan_in_normal(k[2], (Z, D), dt, Z),
         # codec codebooks: a Q-deep sum of rows has unit-scale entries
-        rvq_embs=normal(k[3], (Q, C, Z), jnp.float32, std=Q**-0.5),
+        rvq_embs=normal(k[3], (Q, Y, Z), jnp.float32, std=Q**-0.5),
         bos_emb=normal(k[4], (D,), dt, std=1.0),
         null_emb=normal(k[5], (D,), dt, std=1.0),
         fusion=FusionParams(
@@ -145,8 +145,8 @@ def init(key: jax.Array, cfg: ModelConfig, precision: Precision) -> TTSParams:
             final_norm=normal(k[11], (D,), dt, std=0.1),
         ),
         mog=mog.init(k[12], t, precision),
-        prompt_latents=normal(k[13], (P, D), dt, std=1.0),  # the scale of embed_codes
-        silence_codes=jax.random.randint(k[14], (Q,), 0, C, jnp.int32),
+        prompt_latents=normal(k[13], (U, D), dt, std=1.0),  # the scale of embed_codes
+        silence_codes=jax.random.randint(k[14], (Q,), 0, Y, jnp.int32),
         control_codes=control_code_ids(t),
     )
     return with_text_table(params, _random_chars(k[15], cfg), cfg=cfg)
@@ -179,9 +179,9 @@ def with_text_table(params: TTSParams, chars: jax.Array, *, cfg: ModelConfig) ->
 
 
 def control_code_ids(cfg: SpeechDecoderConfig) -> jax.Array:
-    """``DuplexEARTTS._control_codes``: speech BOS ``C + 2``, EOS ``C + 1``, PAD ``C`` ([3])."""
-    C = cfg.codebook_size
-    return jnp.asarray([C + 2, C + 1, C], jnp.int32)
+    """``DuplexEARTTS._control_codes``: speech BOS ``Y + 2``, EOS ``Y + 1``, PAD ``Y`` ([3])."""
+    Y = cfg.codebook_size
+    return jnp.asarray([Y + 2, Y + 1, Y], jnp.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def control_code_ids(cfg: SpeechDecoderConfig) -> jax.Array:
 def depthsum(rvq_embs: jax.Array, codes: jax.Array) -> jax.Array:
     """``RVQEARTTSModel.depthsum_embedding``: codes [..., Q] -> [..., Z], sum of codebook rows.
 
-    Ids ``>= C`` (the mask id ``C``) read NeMo's appended zero row.
+    Ids ``>= Y`` (the mask id ``Y``) read NeMo's appended zero row.
     """
     Q = rvq_embs.shape[0]
     rows = rvq_embs.at[jnp.arange(Q), codes].get(mode="fill", fill_value=0)  # [..., Q, Z]
@@ -270,7 +270,7 @@ def rvq_encode(
     """
     r = z.astype(rvq_embs.dtype)
     for q in range(start, start + count):
-        e = rvq_embs[q]  # [C, Z]
+        e = rvq_embs[q]  # [Y, Z]
         dist = jnp.sum(e * e, axis=-1) - 2 * jnp.einsum("bz,cz->bc", r, e, precision=_HIGHEST)
         idx = jnp.argmin(dist, axis=-1).astype(jnp.int32)  # [B]
         r = r - e[idx]
@@ -355,9 +355,9 @@ def replace_control_codes(params: TTSParams, codes: jax.Array) -> jax.Array:
 
 
 def prompt_samples(cfg: ModelConfig) -> int:
-    """Samples of silence whose codec codes ``warmup_state`` takes: ``(P + 1)`` code frames.
+    """Samples of silence whose codec codes ``warmup_state`` takes: ``(U + 1)`` code frames.
 
-    ``set_init_inputs`` encodes one text-prompt frame of silence followed by the ``P``-frame
+    ``set_init_inputs`` encodes one text-prompt frame of silence followed by the ``U``-frame
     speaker prompt (zeros when a cached speaker latent is used).
     """
     return (cfg.tts.prompt_frames + 1) * cfg.codec.samples_per_frame
@@ -375,32 +375,32 @@ def warmup_state(
     """The fresh-session state: speaker-prompt prefill done, first previous codes = mask frame.
 
     Args:
-      prompt_codes: [P + 1, Q] int, the codec's codes of ``prompt_samples(cfg)`` samples of
+      prompt_codes: [U + 1, Q] int, the codec's codes of ``prompt_samples(cfg)`` samples of
         silence (``codec.encode``), as ``set_init_inputs`` computes them. With a cached speaker
-        latent only row ``P - 2`` is read (the code input of the BOS position).
+        latent only row ``U - 2`` is read (the code input of the BOS position).
       batch: slots; every slot gets the same state (the prefill runs once).
-      max_len: cache positions per slot, ``P`` prompt positions included.
+      max_len: cache positions per slot, ``U`` prompt positions included.
     """
     t = cfg.tts
-    P, Q, C = t.prompt_frames, t.n_quantizers, t.codebook_size
-    if prompt_codes.shape != (P + 1, Q):
-        raise ValueError(f"prompt_codes must be [{P + 1}, {Q}], got {prompt_codes.shape}")
+    U, Q, Y = t.prompt_frames, t.n_quantizers, t.codebook_size
+    if prompt_codes.shape != (U + 1, Q):
+        raise ValueError(f"prompt_codes must be [{U + 1}, {Q}], got {prompt_codes.shape}")
     dt = precision.tts
     # Audio side (RVQEARTTSModel.forward with audio_mask): positions before BOS take the speaker
-    # latent; the BOS position (P - 1) embeds the shifted code frame P - 2 plus bos_emb.
-    bos_audio = embed_codes(params, prompt_codes[P - 2]) + params.bos_emb.astype(dt)
-    audio = jnp.concatenate([params.prompt_latents[: P - 1].astype(dt), bos_audio[None]])  # [P, D]
-    # Text side: subword ids [PAD] * (P - 1) + [EOS], subword_mask on the last two positions.
-    ids = jnp.asarray([PAD_ID] * (P - 1) + [EOS_ID], jnp.int32)
+    # latent; the BOS position (U - 1) embeds the shifted code frame U - 2 plus bos_emb.
+    bos_audio = embed_codes(params, prompt_codes[U - 2]) + params.bos_emb.astype(dt)
+    audio = jnp.concatenate([params.prompt_latents[: U - 1].astype(dt), bos_audio[None]])  # [U, D]
+    # Text side: subword ids [PAD] * (U - 1) + [EOS], subword_mask on the last two positions.
+    ids = jnp.asarray([PAD_ID] * (U - 1) + [EOS_ID], jnp.int32)
     full = params.text_table[ids].astype(dt)
     flags = char_encoder.flags(params.char_encoder, ids).astype(dt)  # outside subword_mask
-    text = jnp.where((jnp.arange(P) >= P - 2)[:, None], full, flags)  # [P, D]
+    text = jnp.where((jnp.arange(U) >= U - 2)[:, None], full, flags)  # [U, D]
     null = jnp.broadcast_to(params.null_emb.astype(dt), text.shape)
     x = jnp.stack(
         [fuse(params.fusion, audio, text, cfg=cfg), fuse(params.fusion, audio, null, cfg=cfg)]
     )
     cache = gemma.init_cache(t, 2, max_len, precision)
-    cache, _ = gemma.forward(params.backbone, cache, x, cfg=t)  # [2, P, D]: cond, uncond
+    cache, _ = gemma.forward(params.backbone, cache, x, cfg=t)  # [2, U, D]: cond, uncond
 
     def per_slot(a: jax.Array) -> jax.Array:  # [2, K, S, H] -> [batch, 2, K, S, H]
         return jnp.broadcast_to(a[None], (batch, *a.shape))
@@ -408,8 +408,8 @@ def warmup_state(
     return TTSState(
         k=tuple(per_slot(a) for a in cache.k),
         v=tuple(per_slot(a) for a in cache.v),
-        pos=jnp.full((batch,), P, jnp.int32),
-        prev_codes=jnp.full((batch, Q), C, jnp.int32),
+        pos=jnp.full((batch,), U, jnp.int32),
+        prev_codes=jnp.full((batch, Q), Y, jnp.int32),
         frame=jnp.zeros((batch,), jnp.int32),
     )
 

@@ -10,9 +10,10 @@ residual and the unclamped dt, noted below):
   it cast to the activation dtype first, as ``self.norm(hidden_states.to(self.norm.weight.dtype))``.
 - ``NemotronHRMSNorm``: plain ``w * x̂`` computed in fp32.
 - ``NemotronHMamba2Mixer``: ``in_proj`` -> ``[z | xBC | dt]``; causal depthwise conv (kernel k,
-  bias) + SiLU on xBC; split x, B, C; ``dt = softplus(dt + dt_bias)`` NOT clamped (the release's
-  ``time_step_limit`` is (0, inf); transformers' native code clamps at ``time_step_min`` in its
-  chunked path, so its reference configs must set ``time_step_min`` tiny); ``A = -exp(A_log)``;
+  bias) + SiLU on xBC; split x, B, C (``b_mat``, ``c_mat``); ``dt = softplus(dt + dt_bias)`` NOT
+  clamped (the release's ``time_step_limit`` is (0, inf); transformers' native code clamps at
+  ``time_step_min`` in its chunked path, so its reference configs must set ``time_step_min``
+  tiny); ``A = -exp(A_log)``;
   ``h <- exp(dt A) h + dt x B``, ``y = C h + D x``; ``Zamba2RMSNormGated``: RMSNorm over groups of
   ``N*H / n_groups`` channels of ``y * silu(z)``, times its weight; ``out_proj``.
 - ``NemotronHMLP``: ``down(relu(up(x))**2)``.
@@ -37,7 +38,8 @@ no precision argument.
 Shapes use the axis alphabet of ``voicechat_jax.model``. Inside the Mamba mixer the letters carry
 their Mamba meaning: ``N`` Mamba heads, ``H`` Mamba head dim, ``K`` B/C groups (``n_groups``; B
 and C are shared by a group of heads as keys are by a group of query heads), ``G = N // K`` heads
-per group, ``P`` the SSM state size, ``C`` the conv channels ``N*H + 2*K*P``.
+per group, ``P`` the SSM state size, ``C`` the conv channels ``N*H + 2*K*P``, ``X`` the SSD
+chunk length of ``prefill``. Mamba's B and C matrices are arrays ``b_mat`` / ``c_mat``.
 """
 
 from __future__ import annotations
@@ -254,16 +256,16 @@ def _split_in_proj(zxbcdt: jax.Array, cfg: LLMConfig):
 
 
 def _split_xbc(xbc: jax.Array, cfg: LLMConfig):
-    """Post-conv xBC [..., C] -> fp32 x [..., K, G, H], B [..., K, P], C [..., K, P]."""
+    """Post-conv xBC [..., C] -> fp32 x [..., K, G, H], b_mat [..., K, P], c_mat [..., K, P]."""
     K, P, H = cfg.n_groups, cfg.ssm_state, cfg.mamba_head_dim
     G = cfg.mamba_heads // K
     NH = cfg.d_inner
     lead = xbc.shape[:-1]
     xbc = xbc.astype(F32)
     x = xbc[..., :NH].reshape(*lead, K, G, H)
-    b = xbc[..., NH : NH + K * P].reshape(*lead, K, P)
-    c = xbc[..., NH + K * P :].reshape(*lead, K, P)
-    return x, b, c
+    b_mat = xbc[..., NH : NH + K * P].reshape(*lead, K, P)
+    c_mat = xbc[..., NH + K * P :].reshape(*lead, K, P)
+    return x, b_mat, c_mat
 
 
 def _ssm_coeffs(p: MambaParams, j: int, dt_raw: jax.Array, cfg: LLMConfig):
@@ -300,7 +302,7 @@ def _mamba_step(p: MambaParams, j: int, h, conv, ssm, run, cfg: LLMConfig, ssm_k
     kept by a select (small). Returns (conv, ssm, out [B, D]).
     """
     act = h.dtype
-    Bsz = h.shape[0]
+    B = h.shape[0]
     z, xbc, dt_raw = _split_in_proj(dense(h, p.in_proj[j]), cfg)
     window = jnp.concatenate([conv.astype(F32), xbc[:, None].astype(F32)], axis=1)  # [B, k, C]
     xbc = jnp.einsum("bkc,kc->bc", window, p.conv_w[j].astype(F32)) + p.conv_b[j].astype(F32)
@@ -311,8 +313,8 @@ def _mamba_step(p: MambaParams, j: int, h, conv, ssm, run, cfg: LLMConfig, ssm_k
     K, G = A.shape
     H = x.shape[-1]
     args = (
-        x.reshape(Bsz, K * G, H),
-        dt.reshape(Bsz, K * G),
+        x.reshape(B, K * G, H),
+        dt.reshape(B, K * G),
         A.reshape(K * G),
         b_mat,
         c_mat,
@@ -324,56 +326,56 @@ def _mamba_step(p: MambaParams, j: int, h, conv, ssm, run, cfg: LLMConfig, ssm_k
         ssm, y = ssm_step(ssm, *args, interpret=jax.default_backend() == "cpu")
     else:
         ssm, y = ssm_step_reference(ssm, *args)
-    y = _gated_norm(y.reshape(Bsz, -1).astype(act), z, p.gate_norm[j], cfg)
+    y = _gated_norm(y.reshape(B, -1).astype(act), z, p.gate_norm[j], cfg)
     out = dense(y, p.out_proj[j])
     new_conv = jnp.where(run[:, None, None], window[:, 1:], conv.astype(F32))
     return new_conv.astype(conv.dtype), ssm, out
 
 
 def _segsum(a: jax.Array) -> jax.Array:
-    """[..., Q] -> [..., Q, Q]: out[l, s] = sum of a[s+1 .. l], -inf above the diagonal.
+    """[..., X] -> [..., X, X]: out[l, s] = sum of a[s+1 .. l], -inf above the diagonal.
 
     Built from a masked cumulative sum (transformers' ``segment_sum``), not a difference of
     cumulative sums, so no cancellation.
     """
-    Q = a.shape[-1]
-    x = jnp.broadcast_to(a[..., :, None], (*a.shape, Q))  # [..., i, s] = a[i]
-    x = jnp.where(jnp.tril(jnp.ones((Q, Q), bool), -1), x, 0.0)
+    X = a.shape[-1]
+    x = jnp.broadcast_to(a[..., :, None], (*a.shape, X))  # [..., i, s] = a[i]
+    x = jnp.where(jnp.tril(jnp.ones((X, X), bool), -1), x, 0.0)
     seg = jnp.cumsum(x, axis=-2)
-    return jnp.where(jnp.tril(jnp.ones((Q, Q), bool)), seg, -jnp.inf)
+    return jnp.where(jnp.tril(jnp.ones((X, X), bool)), seg, -jnp.inf)
 
 
-def _ssd_scan(x, dt, A, b, c, h0, chunk: int):
+def _ssd_scan(x, dt, A, b_mat, c_mat, h0, chunk: int):
     """The Mamba-2 SSD scan over a sequence, chunk by chunk (transformers ``mamba2_chunk_scan``).
 
     All fp32. x [B, T, K, G, H]; dt [B, T, K, G] (0 where a position must not touch the state);
-    A [K, G]; b, c [B, T, K, P]; h0 [B, K, G, H, P] the state before the sequence.
+    A [K, G]; b_mat, c_mat [B, T, K, P]; h0 [B, K, G, H, P] the state before the sequence.
     Returns y [B, T, K, G, H] (without the D skip) and the final state [B, K, G, H, P].
     Within a chunk the output is a masked, decayed attention-like product; across chunks the state
     is carried by a scan (exact, and cheap: one step per chunk).
     """
-    Bsz, T = x.shape[:2]
-    Q = min(chunk, T)
-    n = -(-T // Q)
-    pad = n * Q - T
+    B, T = x.shape[:2]
+    X = min(chunk, T)
+    n = -(-T // X)
+    pad = n * X - T
 
-    def chunks(t):  # pad T with dt = 0 positions (identity updates), then [B, n, Q, ...]
+    def chunks(t):  # pad T with dt = 0 positions (identity updates), then [B, n, X, ...]
         t = jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2))
-        return t.reshape(Bsz, n, Q, *t.shape[2:])
+        return t.reshape(B, n, X, *t.shape[2:])
 
-    x, dt, b, c = (chunks(t) for t in (x, dt, b, c))
-    a = jnp.moveaxis(dt * A, 2, -1)  # [B, n, K, G, Q] log-decay per position
+    x, dt, b, c = (chunks(t) for t in (x, dt, b_mat, c_mat))
+    a = jnp.moveaxis(dt * A, 2, -1)  # [B, n, K, G, X] log-decay per position
     acs = jnp.cumsum(a, axis=-1)
-    xdt = x * dt[..., None]  # [B, n, Q, K, G, H]
+    xdt = x * dt[..., None]  # [B, n, X, K, G, H]
     hp = _SSM_PRECISION
 
     # intra-chunk: y[l] = sum_{s <= l} (C_l . B_s) exp(a_{s+1} + .. + a_l) dt_s x_s
-    decay = jnp.exp(_segsum(a))  # [B, n, K, G, Q(l), Q(s)]
+    decay = jnp.exp(_segsum(a))  # [B, n, K, G, X(l), X(s)]
     cb = jnp.einsum("bnlkp,bnskp->bnkls", c, b, precision=hp)
     y_diag = jnp.einsum("bnkls,bnkgls,bnskgh->bnlkgh", cb, decay, xdt, precision=hp)
 
     # each chunk's own contribution to the state at its end, then the carry across chunks
-    to_end = jnp.exp(acs[..., -1:] - acs)  # [B, n, K, G, Q]
+    to_end = jnp.exp(acs[..., -1:] - acs)  # [B, n, K, G, X]
     own = jnp.einsum("bnlkp,bnkgl,bnlkgh->bnkghp", b, to_end, xdt, precision=hp)
     whole = jnp.exp(acs[..., -1])  # [B, n, K, G] decay across a whole chunk
 
@@ -386,7 +388,7 @@ def _ssd_scan(x, dt, A, b, c, h0, chunk: int):
 
     # inter-chunk: the state entering the chunk, decayed to position l, read by C_l
     y_off = jnp.einsum("bnlkp,bnkghp,bnkgl->bnlkgh", c, starts, jnp.exp(acs), precision=hp)
-    y = (y_diag + y_off).reshape(Bsz, n * Q, *x.shape[3:])[:, :T]
+    y = (y_diag + y_off).reshape(B, n * X, *x.shape[3:])[:, :T]
     return y, h_last
 
 
@@ -397,7 +399,7 @@ def _mamba_prefill(p: MambaParams, j: int, h, conv, ssm, valid, lengths, cfg, ch
     lengths [B] valid positions per slot. Returns (conv, ssm, out [B, T, D]).
     """
     act = h.dtype
-    Bsz, T = h.shape[:2]
+    B, T = h.shape[:2]
     k = cfg.conv_kernel
     z, xbc, dt_raw = _split_in_proj(dense(h, p.in_proj[j]), cfg)
     seq = jnp.concatenate([conv.astype(F32), xbc.astype(F32)], axis=1)  # [B, k-1+T, C]
@@ -408,14 +410,14 @@ def _mamba_prefill(p: MambaParams, j: int, h, conv, ssm, valid, lengths, cfg, ch
     new_conv = jax.vmap(lambda s, n: jax.lax.dynamic_slice_in_dim(s, n, k - 1, axis=0))(
         seq, lengths
     )
-    x, b, c = _split_xbc(xbc, cfg)
+    x, b_mat, c_mat = _split_xbc(xbc, cfg)
     dt, A = _ssm_coeffs(p, j, dt_raw, cfg)
     dt = jnp.where(valid[..., None, None], dt, 0.0)  # padded positions leave the state alone
     K, G = A.shape
-    h0 = ssm.astype(F32).reshape(Bsz, K, G, cfg.mamba_head_dim, cfg.ssm_state)
-    y, h_last = _ssd_scan(x, dt, A, b, c, h0, chunk)
+    h0 = ssm.astype(F32).reshape(B, K, G, cfg.mamba_head_dim, cfg.ssm_state)
+    y, h_last = _ssd_scan(x, dt, A, b_mat, c_mat, h0, chunk)
     y = y + p.D[j].astype(F32).reshape(K, G)[..., None] * x
-    y = _gated_norm(y.reshape(Bsz, T, -1).astype(act), z, p.gate_norm[j], cfg)
+    y = _gated_norm(y.reshape(B, T, -1).astype(act), z, p.gate_norm[j], cfg)
     out = dense(y, p.out_proj[j])
     return new_conv.astype(conv.dtype), h_last.reshape(ssm.shape).astype(ssm.dtype), out
 
@@ -451,22 +453,22 @@ def _attn(p: AttnParams, j: int, h, k_cache, v_cache, pos, valid, cfg: LLMConfig
     cache bit-identical), then attends causally over the rows written so far.
     Returns (k_cache, v_cache, out [B, T, D]).
     """
-    Bsz, T = h.shape[:2]
+    B, T = h.shape[:2]
     K, H = cfg.n_kv_heads, cfg.head_dim
     G = cfg.n_heads // K
     S = k_cache.shape[2]
-    q = dense(h, p.q[j]).reshape(Bsz, T, K, G, H)
-    k = dense(h, p.k[j]).reshape(Bsz, T, K, H)
-    v = dense(h, p.v[j]).reshape(Bsz, T, K, H)
+    q = dense(h, p.q[j]).reshape(B, T, K, G, H)
+    k = dense(h, p.k[j]).reshape(B, T, K, H)
+    v = dense(h, p.v[j]).reshape(B, T, K, H)
     rows = pos[:, None] + jnp.arange(T)[None]  # [B, T]
     write = jnp.where(valid, rows, S)  # out of range: dropped
-    slot = jnp.arange(Bsz)[:, None]
+    slot = jnp.arange(B)[:, None]
     # Advanced indices on axes 0 and 2 around a slice: the update is [B, T, K, H].
     k_cache = k_cache.at[slot, :, write].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[slot, :, write].set(v.astype(v_cache.dtype), mode="drop")
     mask = jnp.arange(S)[None, None] <= rows[..., None]  # [B, T, S] causal, NoPE
     o = _attend(q, k_cache, v_cache, mask)
-    return k_cache, v_cache, dense(o.reshape(Bsz, T, -1), p.o[j])
+    return k_cache, v_cache, dense(o.reshape(B, T, -1), p.o[j])
 
 
 # ----------------------------------------------------------------------------- the backbone
@@ -512,9 +514,9 @@ def prefill(
       The new state (``length`` advanced by ``lengths``) and the final hidden states
       (after ``norm_f``) [B, T, D] in fp32.
     """
-    Bsz, T = embeds.shape[:2]
+    B, T = embeds.shape[:2]
     act = params.embed.dtype
-    lengths = jnp.full((Bsz,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+    lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     valid = jnp.arange(T)[None] < lengths[:, None]  # [B, T]
     pos = state.length
     ssm, conv, kc, vc = list(state.ssm), state.conv, list(state.k), list(state.v)
@@ -565,8 +567,8 @@ def step(
     """
     if ssm_kernel not in SSM_KERNELS:
         raise ValueError(f"ssm_kernel must be one of {SSM_KERNELS}: {ssm_kernel!r}")
-    Bsz = embeds.shape[0]
-    run = jnp.ones((Bsz,), bool) if run is None else run
+    B = embeds.shape[0]
+    run = jnp.ones((B,), bool) if run is None else run
     act = params.embed.dtype
     pos = state.length
     ssm, conv, kc, vc = list(state.ssm), state.conv, list(state.k), list(state.v)

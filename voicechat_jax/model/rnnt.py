@@ -26,7 +26,7 @@ anything is emitted the prediction net reads a zero vector, as ``RNNTDecoder.pre
 
 Axes (see ``voicechat_jax.model``): ``B`` slots, ``T`` encoder frames of one call, ``L`` LSTM
 layers, ``D`` prediction-net width (``pred_hidden``), ``F`` joint hidden width, ``V`` the
-SentencePiece vocabulary (``V + 1`` with blank), ``M`` symbols per frame (``max_symbols``),
+SentencePiece vocabulary (``V + 1`` with blank), ``O`` symbols per frame (``max_symbols``),
 ``D_enc`` the encoder width (``encoder_hidden``).
 """
 
@@ -205,11 +205,11 @@ def rnnt_step(
       cfg: the head's config; ``cfg.max_symbols`` caps the labels per frame.
 
     Returns:
-      (state, tokens [B, T, M] int32, n_tokens [B, T] int32): ``tokens[b, t, :n_tokens[b, t]]`` are
+      (state, tokens [B, T, O] int32, n_tokens [B, T] int32): ``tokens[b, t, :n_tokens[b, t]]`` are
       the labels emitted at frame t, the rest is blank. A frame with ``n_tokens == 0`` is a blank
       frame. Decoding T frames in one call equals T calls of one frame.
     """
-    M, blank = cfg.max_symbols, cfg.blank_id
+    O, blank = cfg.max_symbols, cfg.blank_id
     B = enc.shape[0]
     dt = state.h.dtype
     f = project_encoder(params, enc.astype(dt))  # [B, T, F]
@@ -224,7 +224,7 @@ def rnnt_step(
     def frame(state: RNNTState, f_t: jax.Array):  # f_t [B, F]
         def cond(carry):
             s, active, _, _ = carry
-            return (s < M) & jnp.any(active)
+            return (s < O) & jnp.any(active)
 
         def body(carry):
             s, active, state, tokens = carry
@@ -235,12 +235,12 @@ def rnnt_step(
             state = _select(emit, _read(params, state, k, cfg), state)
             return s + 1, emit, state, tokens
 
-        tokens = jnp.full((B, M), blank, jnp.int32)
+        tokens = jnp.full((B, O), blank, jnp.int32)
         active = jnp.ones((B,), bool)
         _, _, state, tokens = jax.lax.while_loop(cond, body, (jnp.int32(0), active, state, tokens))
         return state, tokens
 
     state, tokens = jax.lax.scan(frame, state, jnp.swapaxes(f, 0, 1))
-    tokens = jnp.swapaxes(tokens, 0, 1)  # [B, T, M]
+    tokens = jnp.swapaxes(tokens, 0, 1)  # [B, T, O]
     n_tokens = jnp.sum(tokens != blank, axis=-1, dtype=jnp.int32)
     return state, tokens, n_tokens

@@ -84,7 +84,7 @@ class FrameOutputs:
     function: jax.Array  # [B, T] int32: greedy function-channel token per frame
     codes: jax.Array  # [B, T, Q] int32: the frame's audio codes
     wav: jax.Array  # [B, T * 1764] float32: 22.05 kHz audio
-    transcript: jax.Array  # [B, T, M] int32: RNNT tokens of the frame (first n valid)
+    transcript: jax.Array  # [B, T, O] int32: RNNT tokens of the frame (first n valid)
     n_transcript: jax.Array  # [B, T] int32
 
 
@@ -225,7 +225,7 @@ def initial_state(
 
     - the speech decoder's speaker-prompt prefill (``DuplexEARTTS.set_init_inputs`` /
       ``get_init_inputs``; the codec's codes of silence from ``codec.encode``);
-    - with a system prompt, its ``P`` positions run as NeMo's ``offline_inference`` runs them
+    - with a system prompt, its ``U`` positions run as NeMo's ``offline_inference`` runs them
       (``DuplexSTTStreamingInference._init_inference``): the LLM reads ``w_user E[token]`` with PAD
       on the text and function channels, no outputs are taken, and the speech decoder and codec
       step over those positions with PAD text (their audio is not emitted);
@@ -236,7 +236,7 @@ def initial_state(
         plus the prompts.
       system_prompt: token ids, passed as NeMo takes them (it adds no BOS/EOS itself).
     """
-    P = len(system_prompt)
+    U = len(system_prompt)
     silence = jnp.zeros((1, ear_tts.prompt_samples(cfg)), jnp.float32)
     prompt_codes = codec.encode(params.codec, silence, cfg=cfg.codec)[0]
     tts_state = ear_tts.warmup_state(
@@ -245,15 +245,15 @@ def initial_state(
         cfg=cfg,
         precision=precision,
         batch=1,
-        max_len=cfg.tts.prompt_frames + P + max_len,
+        max_len=cfg.tts.prompt_frames + U + max_len,
     )
-    llm_state = nano.init_state(cfg.llm, 1, P + max_len, precision)
+    llm_state = nano.init_state(cfg.llm, 1, U + max_len, precision)
     codec_state = codec.init_state(cfg.codec, 1, precision)
     pad = jnp.full((1,), PAD_ID, jnp.int32)
-    if P:
-        ids = jnp.asarray(system_prompt, jnp.int32)[None]  # [1, P]
+    if U:
+        ids = jnp.asarray(system_prompt, jnp.int32)[None]  # [1, U]
         prompt = nano.embed(params.llm, ids).astype(jnp.float32)  # scaled by w_user below
-        pads = jnp.full((1, P), PAD_ID, jnp.int32)
+        pads = jnp.full((1, U), PAD_ID, jnp.int32)
         e = nano.input_embedding(params.llm, pads, pads, prompt, cfg=cfg.llm)
         llm_state, _ = nano.prefill(params.llm, llm_state, e, cfg=cfg.llm)
 
@@ -269,7 +269,7 @@ def initial_state(
             return (tts_s, codec_s), None
 
         (tts_state, codec_state), _ = jax.lax.scan(
-            prompt_frame, (tts_state, codec_state), jnp.arange(P, dtype=jnp.int32)
+            prompt_frame, (tts_state, codec_state), jnp.arange(U, dtype=jnp.int32)
         )
     return FrameState(
         encoder=conformer.init_state(cfg.encoder, 1, precision),
