@@ -147,9 +147,7 @@ def decode_attention_reference(
     lo, hi = _rows(lengths.astype(jnp.int32), S, window)
     row = jnp.arange(S)
     seen = (row[None, :] >= lo[:, None]) & (row[None, :] < hi[:, None])  # [B, S]
-    scores = scale * jnp.einsum(
-        "bkgh,bksh->bkgs", q.astype(F32), k.astype(F32), precision=_HIGHEST
-    )
+    scores = scale * jnp.einsum("bkgh,bksh->bkgs", q.astype(F32), k.astype(F32), precision=_HIGHEST)
     scores = jnp.where(seen[:, None, None, :], scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)  # a slot that sees nothing: all scores -inf
@@ -299,12 +297,16 @@ def decode_attention(
     """
     _check(q.ndim == 4, f"q must be [B, K, G, H]: {q.shape}")
     Bsz, K, G, H = q.shape
-    _check(k.ndim == 4 and k.shape[:2] == (Bsz, K) and k.shape[3] == H,
-           f"k must be [B={Bsz}, K={K}, S, H={H}]: {k.shape}")  # fmt: skip
+    _check(
+        k.ndim == 4 and k.shape[:2] == (Bsz, K) and k.shape[3] == H,
+        f"k must be [B={Bsz}, K={K}, S, H={H}]: {k.shape}",
+    )
     _check(v.shape == k.shape, f"v must have k's shape {k.shape}: {v.shape}")
     _check(lengths.shape == (Bsz,), f"lengths must be [B={Bsz}]: {lengths.shape}")
-    _check(window is None or (isinstance(window, int) and window >= 1),
-           f"window must be None or a static int >= 1: {window!r}")  # fmt: skip
+    _check(
+        window is None or (isinstance(window, int) and window >= 1),
+        f"window must be None or a static int >= 1: {window!r}",
+    )
     S = k.shape[2]
     blocks = DecodeAttentionBlocks(block_s, split_s, num_warps, num_stages, dot)
     use_dot = blocks.use_dot(G)

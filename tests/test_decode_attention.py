@@ -272,7 +272,7 @@ def nano_copy(q, k, v, pos):
 
 def gemma_copy(q, k, v, pos, window, scale):
     """``gemma.forward``'s attention at T = 1 (copied verbatim; q [B, K, G, H] after RoPE)."""
-    B, T = q.shape[0], 1
+    T = 1
     S = k.shape[2]
     positions = pos[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
     key_pos = jnp.arange(S, dtype=jnp.int32)  # [S]
@@ -317,7 +317,9 @@ class AttendMatchesTheModel(chex.TestCase):
     def test_gemma(self):
         scale = 256.0**-0.5
         # fp32 decoder with an fp32 or bf16 cache; global layers, and windows inside the cache
-        for q_dtype, kv_dtype, window in [(F32, F32, None), (F32, F32, 5), (F32, BF16, 40)]:
+        # (7500 is the 11B sliding window: wider than the cache, attend drops it)
+        cases = [(F32, F32, None), (F32, F32, 5), (F32, BF16, 40), (F32, BF16, 7500)]
+        for q_dtype, kv_dtype, window in cases:
             q, k, v, pos = self._case(1, 72, 41, q_dtype, kv_dtype, seed=3)
             gemma_window = _GLOBAL if window is None else window
             fn_want = functools.partial(gemma_copy, window=gemma_window, scale=scale)

@@ -29,6 +29,8 @@ i.e. ``q.reshape(B, K, G, H)`` of the model's [B, N, H]); k, v [B, K, S, H] one 
 position p of a slot at row p; lengths [B] int32 the rows each slot has written, its query's own
 included (the model's ``pos + 1``). Key row j of slot b is attended iff ``j < lengths[b]`` and,
 with a ``window``, ``lengths[b] - 1 - j < window`` (``gemma.forward``'s ``distance < window``).
+A window of S or more cuts nothing at any length up to S and is dropped (the global path runs:
+at 11B the speech decoder's sliding window, 7500, exceeds its 1537-row cache at the cap).
 A slot that sees no row (``lengths <= 0``, or a window wholly past the cache: a length
 beyond S) gets an output of zeros under every implementation. Returns [B, K, G, H] in q's dtype.
 """
@@ -140,7 +142,7 @@ def attend(
     """
     impl = AttentionImpl(impl)
     _check(q.ndim == 4, f"q must be [B, K, G, H]: {q.shape}")
-    Bsz, K, G, H = q.shape
+    Bsz, K, _, H = q.shape
     _check(
         k.ndim == 4 and k.shape[:2] == (Bsz, K) and k.shape[3] == H and v.shape == k.shape,
         f"k and v must be [B={Bsz}, K={K}, S, H={H}]: {k.shape}, {v.shape}",
@@ -150,6 +152,9 @@ def attend(
         window is None or (isinstance(window, int) and window >= 1),
         f"window must be None or a static int >= 1: {window!r}",
     )
+    S = k.shape[2]
+    if window is not None and window >= S:
+        window = None  # cuts nothing at any length <= S: run the global path (no mask to build)
     if impl == AttentionImpl.PALLAS:
         b = blocks or DecodeAttentionBlocks()
         # No CPU lowering: the kernel runs in the Pallas interpreter there.
@@ -178,7 +183,6 @@ def attend(
         out = _attend_xla(q, k, v, lengths, window, scale)
     # A slot that sees no row: a softmax over nothing, which both paths would turn into a mean
     # of rows; defined as 0, as the kernel and the reference return.
-    S = k.shape[2]
     hi = jnp.minimum(lengths, S)
     lo = 0 if window is None else jnp.maximum(lengths - window, 0)
     return jnp.where((hi > lo)[:, None, None, None], out, jnp.zeros((), out.dtype))
