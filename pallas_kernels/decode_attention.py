@@ -57,9 +57,9 @@ and store is masked, so S need not be a multiple of anything; H and G are padded
 power of two inside the kernel (Triton's tiles are powers of two: H = 72 is read as 128 masked
 lanes). Scores and the value product are computed either as broadcast multiply-and-sum on the
 vector units (default for G = 1: a [block_s, H] tile per step), or with ``pl.dot`` on the matrix
-units with G padded to 16 (default for G > 1, Triton's smallest dot tile; fp32 operands are
-multiplied in full fp32, never TF32). ``interpret=True`` runs the kernel through the Pallas
-interpreter (CPU tests).
+units with G and H padded to at least 16 (default for G > 1; Triton's smallest dot tile; fp32
+operands are multiplied in full fp32, never TF32). ``interpret=True`` runs the kernel through
+the Pallas interpreter (CPU tests).
 """
 
 from __future__ import annotations
@@ -310,8 +310,13 @@ def decode_attention(
     S = k.shape[2]
     blocks = DecodeAttentionBlocks(block_s, split_s, num_warps, num_stages, dot)
     use_dot = blocks.use_dot(G)
-    Hp = pl.next_power_of_2(H)
-    Gp = max(pl.next_power_of_2(G), _DOT_MIN if use_dot else 1)
+    _check(
+        not use_dot or block_s >= _DOT_MIN,
+        f"block_s must be >= {_DOT_MIN} with dot (the default for G={G} > 1): {block_s}",
+    )
+    dot_min = _DOT_MIN if use_dot else 1
+    Hp = max(pl.next_power_of_2(H), dot_min)
+    Gp = max(pl.next_power_of_2(G), dot_min)
     n_splits = pl.cdiv(S, split_s)
 
     kernel = functools.partial(

@@ -189,6 +189,13 @@ def test_bad_blocks_are_refused(kwargs, message):
         decode_attention(q, k, v, jnp.ones((2,), jnp.int32), scale=1.0, interpret=True, **kwargs)
 
 
+def test_auto_dot_needs_a_dot_sized_block():
+    """G > 1 picks the matrix-unit path by default, which needs block_s >= 16."""
+    q, k, v = inputs(2, 1, 2, 8, 16)
+    with pytest.raises(ValueError, match="block_s must be >= 16 with dot"):
+        decode_attention(q, k, v, jnp.ones((2,), jnp.int32), scale=1.0, interpret=True, block_s=8)
+
+
 def test_bad_shapes_and_windows_are_refused():
     q, k, v = inputs(2, 2, 1, 8, 16)
     n = jnp.ones((2,), jnp.int32)
