@@ -349,3 +349,38 @@ class AttendMatchesTheModel(chex.TestCase):
         assert rel_err(outs["pallas"], outs["xla"]) < TOL[(F32, F32)]
         want = REFERENCE(q, k, v, lengths, window=8, scale=0.25)
         assert rel_err(outs["pallas"], want) < TOL[(F32, F32)]
+
+
+@pytest.mark.parametrize("impl", ["pallas"])
+def test_tick_with_kernel_attention_matches_xla(impl):
+    """The served tick with ``ServeConfig(attention=impl)``: the same tokens and codes as 'xla'."""
+    from voicechat_jax.config import ServeConfig, tiny
+    from voicechat_jax.engine import Engine
+    from voicechat_jax.model import voicechat
+    from voicechat_jax.precision import Precision
+
+    cfg, prec = tiny(), Precision.fp32()
+    params = voicechat.init(jax.random.key(0), cfg, prec)
+    outs = {}
+    for name in ("xla", impl):
+        serve = ServeConfig(
+            slots=2,
+            frames_per_tick=2,
+            context_frames=8,
+            attention=name,
+            speech_sampling="deterministic",
+        )
+        engine = Engine(params, cfg, serve, prec)
+        beat = engine.empty_beat()
+        beat.admit[:] = True
+        rng = np.random.default_rng(0)
+        got = []
+        for _ in range(3):
+            beat.audio[:] = 0.1 * rng.standard_normal(beat.audio.shape)
+            got.append(jax.device_get(engine.tick(beat)))
+            beat.admit[:] = False
+        outs[name] = got
+    for a, b in zip(outs["xla"], outs[impl], strict=True):
+        np.testing.assert_array_equal(a.frames.text, b.frames.text)
+        np.testing.assert_array_equal(a.frames.codes, b.frames.codes)
+        np.testing.assert_allclose(a.frames.wav, b.frames.wav, rtol=0, atol=1e-4)

@@ -176,28 +176,32 @@ def test_served_frames_equal_the_model_alone(engine, params):
     np.testing.assert_allclose(served["wav"], np.concatenate(wav), rtol=0, atol=1e-5)
 
 
-def test_inactive_slots_are_bit_identical(engine, params):
-    """A tick leaves every leaf of an inactive slot as it was; live slots move."""
+@pytest.mark.parametrize("how", ["inactive", "held"])
+def test_inactive_and_held_slots_are_bit_identical(engine, params, how):
+    """A tick leaves every leaf of an inactive slot, or of a live slot the host holds (``run``
+    off), as it was; the running slots move."""
     serve = engine.serve
     state = state_lib.from_template(engine.template, serve.slots)
-    state = state.replace(active=jnp.asarray([True, False, True]))
+    live = [True, how == "held", True]
+    state = state.replace(active=jnp.asarray(live))
     before = jax.device_get(state)
-    beat = state_lib.BeatInput(
-        audio=jnp.asarray(np.stack([_speech(0.16, i) for i in range(3)])),
-        admit=jnp.zeros(3, bool),
-        release=jnp.zeros(3, bool),
-        key=jnp.zeros((3, 2), jnp.uint32),
+    beat = engine.empty_beat().replace(
+        audio=np.stack([_speech(0.16, i) for i in range(3)]),
+        run=np.asarray([True, how != "held", True]),
     )
     tick = jax.jit(functools.partial(step_lib.tick, cfg=CFG, serve=serve, precision=PREC))
     after, out = tick(params, state, engine.template, beat)
     after = jax.device_get(after)
     for x, y in zip(
-        jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after), strict=True
+        jax.tree_util.tree_leaves(before.model),
+        jax.tree_util.tree_leaves(after.model),
+        strict=True,
     ):
         np.testing.assert_array_equal(x[1], y[1])
     assert int(after.model.frame[0]) == 2
     assert int(after.model.frame[1]) == 0
     assert list(np.asarray(out.ran)) == [True, False, True]
+    assert list(np.asarray(out.active)) == live
 
 
 def test_context_cap_ends_the_session(params):
@@ -209,10 +213,12 @@ def test_context_cap_ends_the_session(params):
     assert server.ended["cap"] == "context cap"
 
 
-def test_context_cap_rollover_reseeds_and_goes_on(params):
-    """With ``at_cap='rollover'`` a session at the cap is re-seeded from the template and goes on.
+def test_context_cap_rollover_goes_on_without_a_gap(params):
+    """With ``at_cap='rollover'`` a session at the cap rolls over (an empty capsule) and goes on.
 
-    Its frames after the rollover equal a fresh session's first frames on the same audio.
+    Every tick runs and yields its frames; the roll-over beats are reported; the audio streams go
+    on (the frames after a roll-over are not a fresh session's: the encoder, codec and previous
+    tokens continue).
     """
     serve = ServeConfig(slots=1, frames_per_tick=2, context_frames=6, at_cap="rollover")
     engine = Engine(params, CFG, serve, PREC)
@@ -221,13 +227,10 @@ def test_context_cap_rollover_reseeds_and_goes_on(params):
     server.run([SessionPlan(id="roll", audio=x)], 8)
     out = server.logs["roll"].arrays()
     assert "roll" not in server.ended
-    # Every tick runs: ticks 0-2 fill the 6-frame cap, tick 3 is re-seeded first, and so on.
+    # Ticks 0-2 fill the 6-frame cap; tick 3 rolls over first, and so on: 16 frames in 8 ticks.
     assert out["text"].size == 16
-    engine.reset()
-    fresh = Server(engine, clock="offline", loop="dispatch", warmup_ticks=0)
-    fresh.run([SessionPlan(id="roll", audio=x[3 * BEAT :])], 3)
-    np.testing.assert_array_equal(out["text"][6:12], fresh.logs["roll"].arrays()["text"])
-    np.testing.assert_array_equal(out["codes"][6:12], fresh.logs["roll"].arrays()["codes"])
+    assert out["wav"].size == 16 * 1764
+    assert np.all(np.isfinite(out["wav"]))
 
 
 def _write_wav(path, x, rate=16000, channels=1):

@@ -49,7 +49,7 @@ def test_resident_loop_is_in_place(engine):
     beat = engine.empty_beat()
 
     def next_beat(k):
-        return beat.audio, beat.admit, beat.release, beat.key, np.asarray(True)
+        return beat, np.asarray(True)
 
     compiled = engine.compile_resident(next_beat, lambda k, out: None)
     _check_in_place(compiled, engine.state)

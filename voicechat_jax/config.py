@@ -355,20 +355,25 @@ class ServeConfig:
     at_cap: str = "end"  # 'end': the session ends with an event; 'rollover': re-seeded
     speech_sampling: str = "faithful"  # 'faithful' (NeMo's sampler) | 'deterministic'
     system_prompt: tuple[int, ...] = ()  # token ids prefilled as [BOS] + ids + [EOS], if any
-    attention: str = "xla"  # decode attention implementation: 'xla' | 'cudnn'
+    attention: str = "xla"  # decode attention: 'xla' | 'cudnn' (bf16 KV only) | 'pallas'
     ssm_kernel: str = "xla"  # LLM Mamba step update: 'xla' (jnp) | 'pallas' (in-place kernel)
     deadline_ms: float | None = None  # default: the beat period
+    capsule_tokens: int = 96  # U: room for a roll-over's conversation capsule (token ids)
 
     def __post_init__(self):
         _check(self.slots >= 1, "slots must be >= 1")
         _check(self.frames_per_tick >= 1, "frames_per_tick must be >= 1")
         _check(self.context_frames >= self.frames_per_tick, "context cap below one beat")
+        _check(self.capsule_tokens >= 1, "capsule_tokens must be >= 1")
         _check(self.at_cap in ("end", "rollover"), f"at_cap must be end|rollover: {self.at_cap}")
         _check(
             self.speech_sampling in ("faithful", "deterministic"),
             f"speech_sampling must be faithful|deterministic: {self.speech_sampling}",
         )
-        _check(self.attention in ("xla", "cudnn"), f"attention must be xla|cudnn: {self.attention}")
+        _check(
+            self.attention in ("xla", "cudnn", "pallas"),
+            f"attention must be xla|cudnn|pallas: {self.attention}",
+        )
         _check(
             self.ssm_kernel in ("xla", "pallas"),
             f"ssm_kernel must be xla|pallas: {self.ssm_kernel}",

@@ -162,7 +162,9 @@ class Engine:
         self.state = state_lib.from_template(self.template, self.serve.slots)
 
     def empty_beat(self) -> state_lib.BeatInput:
-        return state_lib.empty_beat(self.serve.slots, self.samples_per_beat)
+        return state_lib.empty_beat(
+            self.serve.slots, self.samples_per_beat, self.serve.capsule_tokens
+        )
 
     def compile_tick(self):
         """Compiles the dispatch tick once; returns the executable."""

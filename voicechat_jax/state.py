@@ -43,12 +43,16 @@ class SessionState:
 
 @struct.dataclass
 class BeatInput:
-    """What the host drops in for one beat."""
+    """What the host drops in for one beat (a scheduler decides ``run`` and ``reseed``)."""
 
     audio: jax.Array  # [B, frames_per_tick * 1280] float32, 16 kHz; silence where nothing arrived
     admit: jax.Array  # [B] bool: copy the fresh-session template into these slots first
     release: jax.Array  # [B] bool: these slots end before the beat
     key: jax.Array  # [B, 2] uint32: sampling key of the sessions admitted this beat
+    run: jax.Array  # [B] bool: live slots that advance this beat (a held slot stays bit-identical)
+    reseed: jax.Array  # [B] bool: roll these sessions over to a fresh context before the beat
+    capsule: jax.Array  # [B, U] int32: the conversation capsule's token ids of a re-seeded slot
+    capsule_len: jax.Array  # [B] int32: its length (0: the system prompt alone)
 
 
 @struct.dataclass
@@ -59,17 +63,22 @@ class BeatOutput:
     ran: jax.Array  # [B] bool: the slot advanced this beat (its frames are valid)
     active: jax.Array  # [B] bool: live after the beat
     at_cap: jax.Array  # [B] bool: the session reached the context cap this beat
+    reseeded: jax.Array  # [B] bool: the session rolled over to a fresh context this beat
     frame: jax.Array  # [B] int32: frames the session has done after the beat
 
 
-def empty_beat(slots: int, samples: int) -> BeatInput:
-    """A beat with no audio, no admission and no release (NumPy-friendly shapes)."""
+def empty_beat(slots: int, samples: int, capsule_tokens: int = 96) -> BeatInput:
+    """A beat with no audio, no admission, release or roll-over, every live slot running."""
     # NumPy on purpose: building a beat on the host must not compile or run anything on device.
     return BeatInput(
         audio=np.zeros((slots, samples), np.float32),
         admit=np.zeros((slots,), np.bool_),
         release=np.zeros((slots,), np.bool_),
         key=np.zeros((slots, 2), np.uint32),
+        run=np.ones((slots,), np.bool_),
+        reseed=np.zeros((slots,), np.bool_),
+        capsule=np.zeros((slots, capsule_tokens), np.int32),
+        capsule_len=np.zeros((slots,), np.int32),
     )
 
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from voicechat_jax.config import ModelConfig, ServeConfig
-from voicechat_jax.model import voicechat
+from voicechat_jax.config import PAD_ID, ModelConfig, ServeConfig
+from voicechat_jax.model import nano, voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.state import BeatInput, BeatOutput, SessionState
 
@@ -51,6 +51,71 @@ def insert(model: voicechat.FrameState, template: voicechat.FrameState, mask: ja
     return jax.lax.fori_loop(0, jnp.sum(mask, dtype=jnp.int32), one, model)
 
 
+def _slot(tree, b):
+    """Slot ``b`` of every leaf, as a batch of one ([1, ...] leaves)."""
+    return jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, b, 1, axis=0), tree)
+
+
+def _put_slot(tree, one, b):
+    """``one`` ([1, ...] leaves) written into slot ``b`` of ``tree``, in place."""
+    return jax.tree_util.tree_map(
+        lambda x, o: jax.lax.dynamic_update_slice_in_dim(x, o.astype(x.dtype), b, axis=0), tree, one
+    )
+
+
+def reseed(
+    params,
+    model: voicechat.FrameState,
+    template: voicechat.FrameState,
+    mask: jax.Array,
+    capsule: jax.Array,
+    capsule_len: jax.Array,
+    *,
+    cfg: ModelConfig,
+) -> voicechat.FrameState:
+    """Roll the sessions in ``mask`` [B] over to a fresh context that remembers the conversation.
+
+    For each masked slot, in place: the LLM's state becomes the template's (the system prompt
+    prefilled) followed by the slot's ``capsule[b, :capsule_len[b]]`` token ids, prefilled the
+    way the system prompt is (``w_user E[token]``, PAD on the text and function channels); the
+    speech decoder's context restarts from the template (speaker prompt and system prompt), with
+    the session's last codes as its previous codes and its first frame not skipped, so the voice
+    goes on without a gap. The encoder, RNNT and codec streams, the previous tokens and the frame
+    counter (which keys the sampler) go on untouched: the audio is continuous.
+
+    Args:
+      capsule: [B, U] int32 token ids (U static, e.g. 96), read up to ``capsule_len``.
+      capsule_len: [B] int32 in [0, U].
+    """
+    B, U = capsule.shape
+    slots = jnp.nonzero(mask, size=B, fill_value=0)[0]
+    lc = cfg.llm
+    pads = jnp.full((1, U), PAD_ID, jnp.int32)
+
+    def one(i, m):
+        b = slots[i]
+        cur = _slot(m, b)
+        llm = template.llm
+        ids = jax.lax.dynamic_slice_in_dim(capsule, b, 1, axis=0)  # [1, U]
+        prompt = nano.embed(params.llm, ids).astype(jnp.float32)
+        e = nano.input_embedding(params.llm, pads, pads, prompt, cfg=lc)
+        n = jax.lax.dynamic_slice_in_dim(capsule_len, b, 1, axis=0)
+        llm, _ = nano.prefill(params.llm, llm, e, n, cfg=lc)
+        tts = template.tts.replace(
+            prev_codes=cur.tts.prev_codes, frame=jnp.ones_like(cur.tts.frame)
+        )
+        return _put_slot(m, cur.replace(llm=llm, tts=tts), b)
+
+    return jax.lax.fori_loop(0, jnp.sum(mask, dtype=jnp.int32), one, model)
+
+
+def has_room(model: voicechat.FrameState, fpt: int) -> jax.Array:
+    """[B] bool: both attention caches have room for another beat of ``fpt`` frames."""
+    llm_room = model.llm.length + fpt <= model.llm.k[0].shape[2]
+    tts_room = model.tts.pos + fpt <= model.tts.k[0].shape[3]
+    return llm_room & tts_room
+
+
 def tick(
     params,
     state: SessionState,
@@ -70,11 +135,13 @@ def tick(
       beat: the host's input for this beat.
 
     Returns:
-      The new state and the beat's outputs. A slot that is inactive, or would pass the context
-      cap (``at_cap='end'``), does not advance and its state is returned bit-identical; with
-      ``at_cap='rollover'`` a session at the cap is re-seeded from the template and runs its beat.
-      No select over the whole state: admission writes the template into the admitted slots, and
-      every update in ``voicechat.advance`` masks itself by the slots that run.
+      The new state and the beat's outputs. A slot that is inactive, held (``beat.run`` off), or
+      would pass the context cap (``at_cap='end'``: the session ends) does not advance and its
+      state is returned bit-identical. A slot in ``beat.reseed`` rolls over first (``reseed``,
+      with its capsule); with ``at_cap='rollover'`` a session at the cap that the host did not
+      roll over rolls over with an empty capsule. No select over the whole state: admission
+      writes the template into the admitted slots, and every update in ``voicechat.advance``
+      masks itself by the slots that run.
     """
     TRACE_COUNT["tick"] += 1
     fpt = serve.frames_per_tick
@@ -82,16 +149,17 @@ def tick(
     model = insert(state.model, template, beat.admit)
     key = jnp.where(beat.admit[:, None], beat.key, state.key)
 
-    room = model.frame + fpt <= serve.context_frames
-    at_cap = active & ~room
+    at_cap = active & ~has_room(model, fpt)
+    reseeded = active & beat.reseed
+    capsule_len = jnp.where(reseeded, beat.capsule_len, 0)
     if serve.at_cap == "rollover":
-        # Re-seed a session at the cap from the template before its beat; it keeps its sampling
-        # key and loses no audio.
-        model = insert(model, template, at_cap)
-        ran = active
-    else:
-        ran = active & room
-        active = active & ~at_cap
+        # A session at the cap that the host did not roll over itself goes on from the system
+        # prompt alone; it keeps its key, its streams and its audio.
+        reseeded = reseeded | at_cap
+    model = reseed(params, model, template, reseeded, beat.capsule, capsule_len, cfg=cfg)
+    room = has_room(model, fpt)
+    ran = active & room & beat.run
+    active = active & room
     model, frames = voicechat.advance(
         params,
         model,
@@ -105,7 +173,14 @@ def tick(
         ssm_kernel=serve.ssm_kernel,
     )
     new_state = SessionState(model=model, active=active, key=key)
-    out = BeatOutput(frames=frames, ran=ran, active=active, at_cap=at_cap, frame=model.frame)
+    out = BeatOutput(
+        frames=frames,
+        ran=ran,
+        active=active,
+        at_cap=at_cap & ~reseeded,
+        reseeded=reseeded,
+        frame=model.frame,
+    )
     return new_state, out
 
 
@@ -140,17 +215,14 @@ def resident_loop(
 ) -> SessionState:
     """Run ticks on the device until the host says stop; returns the final state.
 
-    ``next_beat(k) -> (audio, admit, release, key, stop)`` (NumPy) gives beat k+1's input;
+    ``next_beat(k) -> (beat, stop)`` gives beat k+1's input (a ``BeatInput`` of NumPy arrays);
     ``deliver(k, out)`` receives beat k's ``BeatOutput`` with NumPy leaves. Both run on the host
     through ordered ``io_callback``s: the device waits for them, and they never call JAX.
     """
-    beat_struct = (
-        jax.ShapeDtypeStruct(first_beat.audio.shape, jnp.float32),
-        jax.ShapeDtypeStruct(first_beat.admit.shape, jnp.bool_),
-        jax.ShapeDtypeStruct(first_beat.release.shape, jnp.bool_),
-        jax.ShapeDtypeStruct(first_beat.key.shape, jnp.uint32),
-        jax.ShapeDtypeStruct((), jnp.bool_),
+    beat_struct = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), first_beat
     )
+    stop_struct = jax.ShapeDtypeStruct((), jnp.bool_)
 
     def body(carry):
         k, s, beat, _ = carry
@@ -164,10 +236,9 @@ def resident_loop(
         token = io_callback(
             deliver_host, jax.ShapeDtypeStruct((), jnp.int32), k, *leaves, ordered=True
         )
-        audio, admit, release, key, stop = io_callback(
-            lambda kk, _tok: next_beat(int(kk)), beat_struct, k, token, ordered=True
+        nb, stop = io_callback(
+            lambda kk, _tok: next_beat(int(kk)), (beat_struct, stop_struct), k, token, ordered=True
         )
-        nb = BeatInput(audio=audio, admit=admit, release=release, key=key)
         return k + 1, s, nb, stop
 
     def cond(carry):

@@ -110,6 +110,7 @@ def print_table(rows: list[dict]) -> None:
         f"160 ms beat, context cap {FLAGS.context_frames} frames"
     )
     print(head)
+
     def ms(x) -> str:
         return f"{x:>8.1f}" if x is not None else f"{'-':>8}"
 

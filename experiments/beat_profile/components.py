@@ -277,3 +277,30 @@ def admission_ms(engine, *, repeats: int = 10) -> Row:
         ms_per_call_p10=float(np.percentile(times, 10)) * 1e3,
         ms_per_call_p90=float(np.percentile(times, 90)) * 1e3,
     )
+
+
+def reseed_ms(engine, *, repeats: int = 10) -> Row:
+    """One session rolled over in slot 0 with a full capsule (``serve.capsule_tokens`` ids)."""
+    B, fpt, U = engine.serve.slots, engine.serve.frames_per_tick, engine.serve.capsule_tokens
+    mask = jnp.zeros((B,), bool).at[0].set(True)
+    capsule = jnp.ones((B, U), jnp.int32)
+    n = jnp.full((B,), U, jnp.int32)
+    cfg = engine.cfg
+
+    def fn(p, t, m, c, ln, s):
+        return step_lib.reseed(p, s, t, m, c, ln, cfg=cfg), None
+
+    f = jax.jit(fn, donate_argnums=(5,))
+    args = (engine.params, engine.template, mask, capsule, n)
+    times, model = _time(f, args, engine.state.model, repeats=repeats)
+    engine.state = engine.state.replace(model=model)
+    per_call = float(np.median(times))
+    return Row(
+        component=f"roll-over (1 slot, {U}-token capsule, per beat)",
+        slots=B,
+        ms=per_call / fpt * 1e3,
+        bytes=int((nbytes(engine.params.llm) + 2 * nbytes(engine.template)) / fpt),
+        calls=1,
+        ms_per_call_p10=float(np.percentile(times, 10)) * 1e3,
+        ms_per_call_p90=float(np.percentile(times, 90)) * 1e3,
+    )

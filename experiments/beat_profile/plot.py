@@ -11,8 +11,8 @@ import json
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
-from absl import app, flags  # noqa: E402
+import matplotlib.pyplot as plt
+from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("rows", "experiments/beat_profile/results/h200_voicechat_11b.jsonl", "Rows.")

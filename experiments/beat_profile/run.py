@@ -79,7 +79,10 @@ def main(argv):
         ticks = tick_device_ms(engine, FLAGS.tick_repeats)
         tick_ms = float(np.median(ticks)) / engine.serve.frames_per_tick
         _write({"kind": "tick", "slots": B, "ms_per_frame_step": tick_ms, "ms": ticks})
-        rows = [components.admission_ms(engine, repeats=FLAGS.repeats)]
+        rows = [
+            components.admission_ms(engine, repeats=FLAGS.repeats),
+            components.reseed_ms(engine, repeats=FLAGS.repeats),
+        ]
         rows += components.profile(engine, repeats=FLAGS.repeats)
         for r in rows:
             d = {"kind": "component", **r.__dict__, "tbps": r.tbps, "copy_tbps": copy}

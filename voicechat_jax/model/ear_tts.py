@@ -423,8 +423,9 @@ def tts_step(
     *,
     cfg: ModelConfig,
     deterministic: bool,
+    attention: str = "xla",
 ) -> tuple[TTSState, jax.Array, jax.Array]:
-    """One 80 ms frame for the slots in ``run`` (default all).
+    """One 80 ms frame for the slots in ``run`` (default all); ``attention`` as ``gemma.forward``.
 
     Args:
       text_ids: [B] int, the frame's text token (the LLM's output for this frame).
@@ -454,7 +455,9 @@ def tts_step(
         v=tuple(rows(a) for a in state.v),
         pos=jnp.repeat(state.pos, 2),
     )
-    cache, h = gemma.forward(params.backbone, cache, x, cfg=t, valid=jnp.repeat(live, 2))
+    cache, h = gemma.forward(
+        params.backbone, cache, x, cfg=t, valid=jnp.repeat(live, 2), attention=attention
+    )
     h = h.reshape(B, 2, -1)
     codes = generate_codes(params, h[:, 0], h[:, 1], keys, cfg=cfg, deterministic=deterministic)
     codes = jnp.where(live[:, None], codes, 0)

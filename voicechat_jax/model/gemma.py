@@ -34,6 +34,7 @@ import numpy as np
 from flax import struct
 
 from voicechat_jax.config import SpeechDecoderConfig
+from voicechat_jax.model.attention import attend
 from voicechat_jax.model.common import fan_in_normal, normal, rms_norm
 from voicechat_jax.precision import Precision
 
@@ -174,6 +175,7 @@ def forward(
     *,
     cfg: SpeechDecoderConfig,
     valid: jax.Array | None = None,
+    attention: str = "xla",
 ) -> tuple[GemmaCache, jax.Array]:
     """Runs ``T`` new positions per slot through the backbone, reading and extending the cache.
 
@@ -189,6 +191,8 @@ def forward(
       valid: optional [B, T] (or [B]) bool, a per-row prefix of the ``T`` positions that are real.
         Only those are written to the cache and counted in ``pos``; a row with none leaves its
         cache bit-identical. Outputs at invalid positions are computed but meaningless.
+      attention: the decode step's attention implementation (``attention.attend``, T = 1 only;
+        'xla' is bit-identical to the masked softmax below).
 
     Returns:
       (the new cache, h [B, T, D] the final-norm hidden states).
@@ -228,14 +232,20 @@ def forward(
         ks[l] = ks[l].at[rows, :, write_at].set(k.astype(ks[l].dtype), mode="drop")
         vs[l] = vs[l].at[rows, :, write_at].set(v.astype(vs[l].dtype), mode="drop")
         qg = q.reshape(B, T, K, G, H)
-        logits = jnp.einsum(
-            "btkgh,bksh->bkgts", qg, ks[l].astype(q.dtype), preferred_element_type=jnp.float32
-        )
-        logits = logits * scale
-        mask = masks[int(window[l])]
-        logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)  # [B, K, G, T, S]
-        a = jnp.einsum("bkgts,bksh->btkgh", probs, vs[l].astype(q.dtype))
+        if T == 1:
+            win = None if int(window[l]) == _NO_WINDOW else int(window[l])
+            a = attend(
+                qg[:, 0], ks[l], vs[l], positions[:, 0] + 1, window=win, scale=scale, impl=attention
+            )
+        else:
+            logits = jnp.einsum(
+                "btkgh,bksh->bkgts", qg, ks[l].astype(q.dtype), preferred_element_type=jnp.float32
+            )
+            logits = logits * scale
+            mask = masks[int(window[l])]
+            logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)  # [B, K, G, T, S]
+            a = jnp.einsum("bkgts,bksh->btkgh", probs, vs[l].astype(q.dtype))
         a = a.reshape(B, T, cfg.n_heads * H)
         a = jnp.einsum("bte,ed->btd", a, w["o"].astype(a.dtype))
         h = h + rms_norm(a, w["post_attn_norm"], eps, offset=1.0)

@@ -50,6 +50,7 @@ from flax import struct
 
 from pallas_kernels.ssm_step import ssm_step, ssm_step_reference
 from voicechat_jax.config import LLMConfig
+from voicechat_jax.model.attention import attend
 from voicechat_jax.model.common import dense, fan_in_normal, normal, rms_norm
 from voicechat_jax.precision import Precision
 
@@ -445,13 +446,16 @@ def _attend(q, keys, values, mask):
     return jnp.moveaxis(out, 3, 1).astype(act)
 
 
-def _attn(p: AttnParams, j: int, h, k_cache, v_cache, pos, valid, cfg: LLMConfig):
+def _attn(
+    p: AttnParams, j: int, h, k_cache, v_cache, pos, valid, cfg: LLMConfig, attention: str = "xla"
+):
     """Attention layer j over new positions h [B, T, D], starting at cache row pos [B].
 
     Writes the new keys/values into rows ``pos + t`` of layer j's caches [B, K, S, H] in place
     (rows at or past S, and invalid positions, are dropped: a row that does not run leaves its
     cache bit-identical), then attends causally over the rows written so far.
-    Returns (k_cache, v_cache, out [B, T, D]).
+    ``attention`` picks the decode-step implementation (``model.attention.attend``, T = 1 only;
+    'xla' is bit-identical to ``_attend``). Returns (k_cache, v_cache, out [B, T, D]).
     """
     B, T = h.shape[:2]
     K, H = cfg.n_kv_heads, cfg.head_dim
@@ -466,8 +470,11 @@ def _attn(p: AttnParams, j: int, h, k_cache, v_cache, pos, valid, cfg: LLMConfig
     # Advanced indices on axes 0 and 2 around a slice: the update is [B, T, K, H].
     k_cache = k_cache.at[slot, :, write].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[slot, :, write].set(v.astype(v_cache.dtype), mode="drop")
-    mask = jnp.arange(S)[None, None] <= rows[..., None]  # [B, T, S] causal, NoPE
-    o = _attend(q, k_cache, v_cache, mask)
+    if T == 1:
+        o = attend(q[:, 0], k_cache, v_cache, pos + 1, window=None, scale=H**-0.5, impl=attention)
+    else:
+        mask = jnp.arange(S)[None, None] <= rows[..., None]  # [B, T, S] causal, NoPE
+        o = _attend(q, k_cache, v_cache, mask)
     return k_cache, v_cache, dense(o.reshape(B, T, -1), p.o[j])
 
 
@@ -547,6 +554,7 @@ def step(
     *,
     cfg: LLMConfig,
     ssm_kernel: str = "xla",
+    attention: str = "xla",
 ) -> tuple[NanoState, jax.Array]:
     """Advance the slots in ``run`` by one frame (the recurrent path), in place.
 
@@ -561,6 +569,7 @@ def step(
       cfg: the LLM config (static).
       ssm_kernel: the Mamba recurrent update (static): 'xla' (jnp) or 'pallas' (the
         ``pallas_kernels.ssm_step`` kernel, state updated in place; interpreted on the CPU).
+      attention: the attention layers' decode implementation (static, ``attention.attend``).
 
     Returns:
       The new state (``length + run``) and the final hidden state (after ``norm_f``) [B, D], fp32.
@@ -585,7 +594,7 @@ def step(
         else:
             h = _block_norm(params.attn.norm[j], x, act, cfg)
             kc[j], vc[j], out = _attn(
-                params.attn, j, h[:, None], kc[j], vc[j], pos, run[:, None], cfg
+                params.attn, j, h[:, None], kc[j], vc[j], pos, run[:, None], cfg, attention
             )
             out = out[:, 0]
         x = x + out.astype(F32)

@@ -98,14 +98,18 @@ def listen_frame(
     *,
     cfg,
     ssm_kernel="xla",
+    attention="xla",
 ):
     """One LLM frame: input sum, Nano step, greedy heads (``DuplexSTTStreamingInference``).
 
-    ``run`` [B] bool masks the state update (``nano.step``); ``ssm_kernel`` ('xla' | 'pallas',
-    static) picks the Mamba step update.
+    ``run`` [B] bool masks the state update (``nano.step``); ``ssm_kernel`` ('xla' | 'pallas')
+    and ``attention`` ('xla' | 'cudnn' | 'pallas'), both static, pick the Mamba step update and
+    the attention layers' implementation.
     """
     e = nano.input_embedding(params.llm, text_prev, func_prev, audio_proj, cfg=cfg.llm)
-    llm_state, h = nano.step(params.llm, llm_state, e, run, cfg=cfg.llm, ssm_kernel=ssm_kernel)
+    llm_state, h = nano.step(
+        params.llm, llm_state, e, run, cfg=cfg.llm, ssm_kernel=ssm_kernel, attention=attention
+    )
     text, func = nano.greedy(params.llm, h)
     return llm_state, text, func, h
 
@@ -146,9 +150,10 @@ def advance(
         bit-identical: each update masks itself where it happens (no select over the whole
         state), so under ``jit`` with the state donated the state is updated in place. Their
         outputs are meaningless.
+      attention: every decode-step attention, 'xla' | 'cudnn' | 'pallas'
+        (``ServeConfig.attention``, ``model.attention``).
       ssm_kernel: the LLM's Mamba step update, 'xla' | 'pallas' (``ServeConfig.ssm_kernel``).
     """
-    del attention  # one implementation for now; the switch lives in ServeConfig
     B = audio.shape[0]
     run = jnp.ones((B,), bool) if run is None else run
     enc_state, enc, proj = conformer.encoder_step(
@@ -165,11 +170,26 @@ def advance(
         llm_state, tts_state, text_prev, func_prev, frame = carry
         a_t = xs
         llm_state, text, func, _ = listen_frame(
-            params, llm_state, text_prev, func_prev, a_t, run, cfg=cfg, ssm_kernel=ssm_kernel
+            params,
+            llm_state,
+            text_prev,
+            func_prev,
+            a_t,
+            run,
+            cfg=cfg,
+            ssm_kernel=ssm_kernel,
+            attention=attention,
         )
         frame_keys = None if deterministic else _frame_keys(key, frame)
         tts_state, codes, dec_codes = ear_tts.tts_step(
-            params.tts, tts_state, text, frame_keys, run, cfg=cfg, deterministic=deterministic
+            params.tts,
+            tts_state,
+            text,
+            frame_keys,
+            run,
+            cfg=cfg,
+            deterministic=deterministic,
+            attention=attention,
         )
         text_prev, func_prev = keep_rows(run, (text, func), (text_prev, func_prev))
         return (llm_state, tts_state, text_prev, func_prev, frame + step), (

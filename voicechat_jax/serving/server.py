@@ -195,7 +195,7 @@ class Server:
                 # Fail it now; the next beat's membership step releases it.
                 self.queues.fail(sid, f"client vanished: no audio for {self._silent[sid]} beats")
         self._snapshots[k] = (live, [live[b] for b in range(B) if underrun[b]])
-        return state_lib.BeatInput(audio=audio, admit=admit, release=release, key=keys)
+        return self.engine.empty_beat().replace(audio=audio, admit=admit, release=release, key=keys)
 
     # ---- host output collection ------------------------------------------------------------
 
@@ -295,13 +295,7 @@ class Server:
                 timings[nk] = (timing.start, timing.deadline)
                 ticks.append(nk)
                 beat = self.prepare(nk)
-            return (
-                np.asarray(beat.audio, np.float32),
-                np.asarray(beat.admit, np.bool_),
-                np.asarray(beat.release, np.bool_),
-                np.asarray(beat.key, np.uint32),
-                np.asarray(stop, np.bool_),
-            )
+            return beat, np.asarray(stop, np.bool_)
 
         def deliver(i: int, out):
             k = ticks[i]
