@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from voicechat_jax.serving import (
     FRAME_LEN,
@@ -23,7 +24,7 @@ from voicechat_jax.serving import (
     CapacityError,
     InputQueues,
     MetricsRecorder,
-    Session,
+    SessionOutput,
     SlotTable,
     decode_pcm16,
     format_table,
@@ -502,14 +503,25 @@ def test_take_beat_checks_slot_count_and_session_output():
     _, queues = _setup("a")
     with pytest.raises(ValueError, match="expected 3 slot entries"):
         queues.take_beat(["a"])
-    session = Session(id="x", slot=0, admitted_tick=0)
-    session.collect(2, wav=np.ones(3528), tokens=np.array([5, 6]), codes=np.zeros((2, 4), np.int32))
-    session.collect(2, wav=np.zeros(3528), tokens=np.array([7, 8]), codes=np.ones((2, 4), np.int32))
-    assert session.frames_out == 4
-    assert session.output.audio().shape == (7056,)
-    assert session.output.audio()[:3528].all()
-    np.testing.assert_array_equal(session.output.token_array(), [5, 6, 7, 8])
-    assert session.output.code_array().shape == (4, 4)
+    out = SessionOutput()
+    for i in range(40):  # past the initial capacity: the buffers grow and keep every frame
+        out.append(
+            text=np.array([2 * i, 2 * i + 1], np.int32),
+            function=np.array([7, 8], np.int32),
+            codes=np.full((2, 4), i, np.int32),
+            wav=np.full(3528, i / 40, np.float32),
+            transcript=np.full((2, 3), i, np.int32),
+            n_transcript=np.array([i % 4, 0], np.int32),
+        )
+    assert out.frames == 80
+    a = out.arrays()
+    np.testing.assert_array_equal(a["text"], np.arange(80))
+    np.testing.assert_array_equal(a["codes"][:, 0], np.repeat(np.arange(40), 2))
+    assert a["wav"].shape == (40 * 3528,)
+    np.testing.assert_array_equal(a["wav"][3528 * 39 :], np.float32(39 / 40))
+    assert out.transcript(2 * 3) == [3, 3, 3]
+    assert out.transcript(2 * 4) == []
+    assert SessionOutput().arrays()["text"].shape == (0,)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -576,15 +588,21 @@ def test_summary_statistics_against_numpy():
 
 
 def test_warmup_excluded_from_steady_state():
-    rec, *_ = _synthetic_run()
+    sink = io.StringIO()
+    rec, *_ = _synthetic_run(sink)
     s = rec.summary()
+    rows = [json.loads(line) for line in sink.getvalue().splitlines()]
+    warm_rows = [r for r in rows if r["type"] == "tick" and r["phase"] == "warmup"]
+    assert [r["tick"] for r in warm_rows] == [0, 1, 2]
+    assert s["warmup"]["missed_session_beats"] == sum(r["live_sessions"] for r in warm_rows)
     assert s["latency_ms"]["max"] < 200.0  # the 2 s compile ticks are not in steady stats
     assert s["warmup"]["ticks"] == 3
     assert s["warmup"]["latency_ms"]["max"] == pytest.approx(2000.0)
     assert s["warmup"]["missed_ticks"] == 3
-    assert s["warmup"]["missed_session_beats"] == sum(r.live_sessions for r in rec.ticks[:3])
-    assert all(r.phase == "warmup" for r in rec.ticks[:3])
-    assert all(r.phase == "steady" for r in rec.ticks[3:])
+    ticks = list(rec.recent)  # the last 256 records: all 403 ticks minus the oldest 147
+    assert len(ticks) == 256
+    assert ticks[-1].tick == 402
+    assert all(r.phase == "steady" for r in ticks)
 
 
 def test_rule_of_three_bound_when_no_miss():
@@ -633,7 +651,7 @@ def test_jsonl_table_and_prometheus():
     assert "compile tick s" in table
 
     text = prometheus_text(summary)
-    sample = re.compile(r'^voicechat_[a-z_]+(\{[a-z]+="[^"]*"\})? -?[0-9.e+-]+$')
+    sample = re.compile(r'^voicechat_[a-z_]+(\{[a-z]+="[^"]*"(,[a-z]+="[^"]*")*\})? -?[0-9.e+-]+$')
     values = {}
     for line in text.splitlines():
         if line.startswith("#"):
@@ -649,3 +667,11 @@ def test_jsonl_table_and_prometheus():
     )
     assert values['voicechat_session_events_total{event="refused"}'] == 1
     assert math.isclose(values["voicechat_beat_latency_seconds_sum"], sum(exp["lat"]), rel_tol=1e-8)
+    # The text parses as Prometheus exposition, with the miss causes as labelled samples.
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    causes = {
+        (x.labels["cause"], x.labels["kind"]): x.value
+        for x in families["voicechat_missed_ticks_by_cause"].samples
+    }
+    assert causes[("unknown", "skipped")] == 1  # recorded without a timeline
+    assert sum(causes.values()) == summary["missed_ticks"]
