@@ -102,9 +102,7 @@ flags.register_validator(
 def _check_context(values: dict) -> bool:
     cap, fpt = values["context_frames"], values["frames_per_tick"]
     if fpt >= 1 and cap < fpt:
-        raise flags.ValidationError(
-            f"--context_frames={cap} is below one beat (--frames_per_tick={fpt})"
-        )
+        raise flags.ValidationError("the context cap is below one beat (frames_per_tick)")
     return True
 
 
@@ -113,9 +111,7 @@ def _check_deadline(values: dict) -> bool:
     deadline, fpt = values["deadline_ms"], values["frames_per_tick"]
     beat_ms = 80.0 * fpt
     if deadline is not None and not 0 < deadline <= beat_ms:
-        raise flags.ValidationError(
-            f"--deadline_ms={deadline:g} must be in (0, {beat_ms:g}] (the beat period)"
-        )
+        raise flags.ValidationError(f"the deadline must be in (0, {beat_ms:g}] ms (the beat)")
     return True
 
 
@@ -128,15 +124,13 @@ def _check_prompt(ids: list[str]) -> bool:
 def _check_output_dir(path: str) -> bool:
     """The directory exists or can be made, and a file can be written in it."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise flags.ValidationError(f"--output_dir={path} exists and is not a directory")
+        raise flags.ValidationError("exists and is not a directory")
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise flags.ValidationError(
-            f"--output_dir={path} is not writable: {e.strerror or e}"
-        ) from None
+        raise flags.ValidationError(f"cannot be written: {e.strerror or e}") from None
     return True
 
 

@@ -16,8 +16,9 @@ is known to have added to it (GC pauses inside the device interval; in the dispa
 the reader thread came late for an output that was already there), plus, in the resident loop, the
 part of the tick's wake lateness that the previous beat's device time forced. A skipped tick is the
 device's when a perfect host, ready the moment the previous beat's device work ended, would still
-have woken after the skipped tick's slot; in the dispatch loop the beat thread never waits for the
-device, so its skips are the host's. Where the split cannot be measured the host is blamed, so
+have woken after the skipped tick's slot. In the dispatch loop the beat thread never waits for the
+device, so its skips are the host's, except the ticks the server skips on purpose because the device
+is still busy with earlier beats (``Server(max_inflight=...)``): those are the device's. Where the split cannot be measured the host is blamed, so
 "no host-caused miss" is a conservative claim. Records without a timeline attribute misses as
 ``unknown``. The largest host stage of a host-caused miss is named in ``host_stage``.
 
@@ -254,6 +255,7 @@ class MetricsRecorder:
         *,
         phase: str | None = None,
         timeline: HostTimeline | None = None,
+        cause: Cause | None = None,
     ) -> TickRecord:
         """Records one tick.
 
@@ -265,6 +267,8 @@ class MetricsRecorder:
           underrun_sessions: ids of those whose input beat was incomplete.
           phase: override the warm-up rule ("warmup" | "steady").
           timeline: the tick's host timeline (ran ticks), for its stages and attribution.
+          cause: the cause of a skip when the server knew it (it skipped a beat the device was
+            still behind on).
         """
         phase = phase or (WARMUP if tick < self.warmup_ticks else STEADY)
         if phase not in (WARMUP, STEADY):
@@ -273,10 +277,10 @@ class MetricsRecorder:
             skipped = readable is None
             latency = None if skipped else readable - start
             missed = skipped or readable > deadline
-            stages, gc_n, gc_gen, cause, host_stage = None, 0, None, None, None
+            given, cause = cause, None
+            stages, gc_n, gc_gen, host_stage = None, 0, None, None
             if skipped:
-                if missed:
-                    cause = self._skip_cause(start)
+                cause = given or self._skip_cause(start)
             else:
                 if timeline is not None:
                     self._timed = True

@@ -26,6 +26,7 @@ session ends with a ``shutdown`` event and its files are closed.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import math
@@ -44,7 +45,7 @@ from voicechat_jax.engine import Engine
 from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving.clock import OFFLINE, BeatClock, TickTiming
 from voicechat_jax.serving.gc_policy import GcMonitor, GcPolicy
-from voicechat_jax.serving.metrics import HostTimeline, MetricsRecorder
+from voicechat_jax.serving.metrics import Cause, HostTimeline, MetricsRecorder
 from voicechat_jax.serving.sessions import (
     CapacityError,
     EndedRecords,
@@ -135,6 +136,7 @@ class _Skipped:
     start: float
     deadline: float
     live: list
+    cause: Cause | None = None  # known at the skip (the device behind); else the metrics decide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +174,9 @@ class Server:
       max_ended: records of sessions that ended (``logs``, ``outputs``, ``failures``, ``ended``)
         kept; older ones are dropped (their counts stay in the metrics).
       stop_event: an event that, once set, drains the server (as ``request_stop``).
+      max_inflight: dispatch loop, real-time clock: a tick that comes due while this many earlier
+        beats are still on the device is skipped (a device-caused miss) rather than queued, so
+        that a device slower than the beat cannot make the latency grow without bound.
 
     Threads, and what each one owns (every other field is set in ``__init__`` and then only read):
 
@@ -211,6 +216,7 @@ class Server:
         tokenizer: Callable[[np.ndarray], str] | None = None,
         max_ended: int = 1024,
         metrics_window: int = 1 << 16,
+        max_inflight: int = 2,
         stop_event: threading.Event | None = None,
     ):
         if loop not in LOOPS:
@@ -240,6 +246,7 @@ class Server:
         self.keep_outputs = keep_outputs
         self.tokenizer = tokenizer
         self.vanish_beats = vanish_beats
+        self.max_inflight = max_inflight
         self.pool = BeatPool()
         self._stop = stop_event or threading.Event()
         self._error: BaseException | None = None
@@ -416,7 +423,10 @@ class Server:
         return state_lib.BeatInput(audio=audio, admit=admit, release=release, key=keys)
 
     def _wait_for(self, k: int, last: int | None) -> TickTiming:
-        """Collects garbage in the slack before tick k if there is any, then waits for k."""
+        """Collects garbage in the slack before tick k if there is any, then waits for k.
+
+        ``last``: the last tick whose beat went to the device (None: none yet).
+        """
         if self.clock.mode == OFFLINE:
             self.gc.in_slack(math.inf)
             return self.clock.wait_for_tick(k)
@@ -463,7 +473,9 @@ class Server:
                 if isinstance(msg, _Beat):
                     self._collect(msg)
                 elif isinstance(msg, _Skipped):
-                    self.metrics.record(msg.tick, msg.start, None, msg.deadline, msg.live)
+                    self.metrics.record(
+                        msg.tick, msg.start, None, msg.deadline, msg.live, cause=msg.cause
+                    )
                 elif isinstance(msg, _Event):
                     self.metrics.record_event(**msg.fields)
                 elif isinstance(msg, _Opened):
@@ -583,17 +595,30 @@ class Server:
         reader = threading.Thread(target=self._reader_main, name="voicechat-reader", daemon=True)
         reader.start()
         self.clock.begin()
-        last = None
+        last = None  # the last tick run or skipped
+        sent: collections.deque[int] = collections.deque()  # dispatched, not yet picked up
         try:
             while not self._stop.is_set():
                 k = self.clock.next_tick(last)
                 if k >= n_ticks:
                     break
-                timing = self._wait_for(k, last)
+                timing = self._wait_for(k, sent[-1] if sent else None)
                 if self._stop.is_set():
                     break
                 self._skipped(last, k)
                 last = k
+                with self._picked:
+                    picked = self._picked_through
+                while sent and sent[0] <= picked:
+                    sent.popleft()
+                if len(sent) >= self.max_inflight and self.clock.mode != OFFLINE:
+                    # The device is still on earlier beats: queued behind them this beat, and
+                    # every later one, would only come later still. It is skipped instead.
+                    live = [s for s in self.slots.slot_sessions() if s is not None]
+                    self._send(_Skipped(k, timing.start, timing.deadline, live, Cause.DEVICE))
+                    self.queues.discard_beats(1)
+                    continue
+                sent.append(k)
                 beat = self.prepare(k)
                 prepared = _now()
                 out = self.engine.tick(beat)
