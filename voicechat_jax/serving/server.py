@@ -583,10 +583,14 @@ class Server:
                     else:
                         self._run_resident(compiled)
                 finally:
+                    # The writer drains under the policy too: its last beats are the run's.
+                    self._to_writer.put(_STOP)
+                    writer.join()
                     self.gc_monitor.uninstall()
         finally:
-            self._to_writer.put(_STOP)
-            writer.join()
+            if writer.is_alive():  # the policy's start failed before the loop began
+                self._to_writer.put(_STOP)
+                writer.join()
         if self._error is not None:
             raise self._error
         return self.metrics.summary()
