@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import io
 import json
+import pathlib
 import time
 import tracemalloc
 import wave
@@ -21,7 +22,7 @@ from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import GcMonitor, read_wav
-from voicechat_jax.serving.server import Engine, Server, SessionPlan
+from voicechat_jax.serving.server import Engine, Server, SessionPlan, write_session_outputs
 
 CFG = tiny()
 PREC = Precision.fp32()
@@ -275,3 +276,11 @@ def test_request_stop_drains(engine, tmp_path):
         with wave.open(str(tmp_path / sid / "output.wav")) as w:
             assert w.getnframes() == frames * SAMPLES_PER_OUT_FRAME
     assert server.metrics.summary()["ended"] == {"shutdown": 2}
+    # The frames kept in memory, written at once, give the same files as the stream did.
+    again = tmp_path.parent / f"{tmp_path.name}_again"
+    paths = write_session_outputs(str(again), "q0", server.logs["q0"], sample_rate=22050)
+    for name in ("wav", "frames"):
+        assert (
+            pathlib.Path(paths[name]).read_bytes()
+            == pathlib.Path(server.outputs["q0"][name]).read_bytes()
+        )

@@ -52,6 +52,7 @@ flags.DEFINE_list("busy", ["0", "1"], "Rows without (0) and with (1) a process s
 flags.DEFINE_enum("ssm_kernel", "xla", ["xla", "pallas"], "Mamba-2 decode SSM update.")
 flags.DEFINE_string("label", None, "Names the code under test in the rows (default: after/before).")
 flags.DEFINE_string("out", None, "JSON-lines file the rows are appended to.")
+flags.DEFINE_string("table_from", None, "Only print the table of the rows in this file.")
 
 
 def _speech(n: int, seed: int) -> np.ndarray:
@@ -167,6 +168,10 @@ def _cell(row: dict) -> str:
 
 def main(argv):
     del argv
+    if FLAGS.table_from:
+        with open(FLAGS.table_from) as f:
+            _print_table([json.loads(line) for line in f])
+        return
     cfg = config_lib.PRESETS[FLAGS.preset]()
     precision_name = FLAGS.precision or ("fp32" if FLAGS.preset == "tiny" else "reference")
     precision = Precision.fp32() if precision_name == "fp32" else Precision.reference()
@@ -192,9 +197,15 @@ def main(argv):
                     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
                     with open(FLAGS.out, "a") as f:
                         f.write(json.dumps(row) + "\n")
+    _print_table(rows)
+
+
+def _print_table(rows: list[dict]) -> None:
+    first = rows[0]
     print(
-        f"{FLAGS.preset} ({precision_name}) on {rows[0]['device']}, jax {jax.__version__}, "
-        f"{FLAGS.sessions} sessions, {FLAGS.ticks} ticks of 160 ms, cap {FLAGS.context_frames}"
+        f"{first['preset']} ({first['precision']}) on {first['device']}, jax {first['jax']}, "
+        f"{first['sessions']} sessions, {first['steady_ticks']} steady ticks of 160 ms, "
+        f"cap {first['context_frames']} ({first['at_cap']})"
     )
     print(
         f"{'code':8} {'loop':9} {'gc':14} {'busy':>4} {'miss':>4} {'skip':>4} {'host':>4} "

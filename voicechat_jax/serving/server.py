@@ -341,15 +341,7 @@ class Server:
         if why == "failed":
             self.failed_sessions += 1
             self._send(_Event({"event": "failed", "session": sid, "tick": tick, "message": detail}))
-        elif why == "context cap":
-            logging.info(
-                "session %s ended at the context cap (%d frames) at tick %d",
-                sid,
-                self.engine.serve.context_frames,
-                tick,
-            )
-        elif why == SHUTDOWN:
-            logging.info("session %s ended: server shutdown at tick %d", sid, tick)
+        # Logged by the writer thread: a log line can block (a full stderr pipe), the beat cannot.
         self._send(_Event({"event": "ended", "session": sid, "reason": why, "tick": tick}))
         self._send(_Ended(sid))
 
@@ -478,6 +470,8 @@ class Server:
                     )
                 elif isinstance(msg, _Event):
                     self.metrics.record_event(**msg.fields)
+                    if msg.fields["event"] == "ended":
+                        self._log_end(**msg.fields)
                 elif isinstance(msg, _Opened):
                     self._open_sink(msg.session)
                 elif isinstance(msg, _Ended):
@@ -489,6 +483,17 @@ class Server:
             for sid in list(self._sinks):
                 self._close_sink(sid)
             self.metrics.record_gc(self.gc_monitor.drain())
+
+    def _log_end(self, *, session: Hashable, reason: str, tick: int, **_) -> None:
+        if reason == "context cap":
+            cap = self.engine.serve.context_frames
+            logging.info(
+                "session %s ended at the context cap (%d frames) at tick %d", session, cap, tick
+            )
+        elif reason == SHUTDOWN:
+            logging.info("session %s ended: server shutdown at tick %d", session, tick)
+        else:
+            logging.info("session %s ended (%s) at tick %d", session, reason, tick)
 
     def _open_sink(self, sid: Hashable) -> None:
         files = None
