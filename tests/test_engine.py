@@ -267,7 +267,8 @@ def test_bad_input_file_is_refused_clearly(tmp_path, kind):
         x = _speech(1, 51)
         x[1000] = np.nan
         _write_float_wav(bad, x)
-    opts = dict(seconds=0.64, clock="offline", loop="dispatch", slots=2, warmup_ticks=0)
+    serve = ServeConfig(slots=2)
+    opts = dict(seconds=0.64, clock="offline", loop="dispatch", serve=serve, warmup_ticks=0)
     with_bad = runner.run(
         runner.RunOptions(
             sessions=2, input_wavs=(str(good), str(bad)), output_dir=str(tmp_path / "a"), **opts
@@ -291,7 +292,11 @@ def test_bad_input_file_is_refused_clearly(tmp_path, kind):
 def test_frames_jsonl_schema(tmp_path):
     result = runner.run(
         runner.RunOptions(
-            seconds=0.48, clock="offline", sessions=1, slots=1, output_dir=str(tmp_path)
+            seconds=0.48,
+            clock="offline",
+            sessions=1,
+            serve=ServeConfig(slots=1),
+            output_dir=str(tmp_path),
         )
     )
     with open(result.outputs["s000"]["frames"]) as f:
@@ -311,7 +316,7 @@ def test_churn_run_outputs_match_each_sessions_lifetime(tmp_path):
         seconds=1.6,
         clock="offline",
         loop="dispatch",
-        slots=3,
+        serve=ServeConfig(slots=3),
         sessions=5,
         churn=True,
         seed=3,

@@ -1,15 +1,68 @@
-"""``voicechat-serve`` as a user runs it: the README's command with no flags, and with flags."""
+"""``voicechat-serve`` as a user runs it: the README's command, flags, signals, bad flags.
+
+Every run is a subprocess of this checkout's code (``PYTHONPATH`` points at it, whatever
+``voicechat-serve`` on the ``PATH`` was installed from).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import wave
 
 import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+ASSET = REPO / "voicechat_jax" / "assets" / "speech_16k.wav"
+SAMPLES_PER_FRAME = 1764  # 22.05 kHz output samples per 80 ms frame
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _cmd(*flags: str, console_script: bool = False) -> list[str]:
+    exe = shutil.which("voicechat-serve") if console_script else None
+    return [exe, *flags] if exe else [sys.executable, "-m", "voicechat_jax.serve", *flags]
+
+
+def _run(*flags: str, cwd=None, timeout=600, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _cmd(*flags, **kw), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env()
+    )
+
+
+def _rows(path: pathlib.Path) -> list[dict]:
+    """JSON lines, skipping a last line still being written."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def _session_frames(d: pathlib.Path) -> tuple[int, int]:
+    """(frames in frames.jsonl, frames in output.wav); every line parses, frames are contiguous."""
+    rows = [json.loads(line) for line in (d / "frames.jsonl").read_text().splitlines()]
+    assert [r["frame"] for r in rows] == list(range(len(rows)))
+    assert all({"text", "function", "codes", "transcript"} <= set(r) for r in rows)
+    with wave.open(str(d / "output.wav")) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (22050, 1, 2)
+        n = w.getnframes()
+        assert len(w.readframes(n)) == 2 * n  # the header's count is really there
+    assert n % SAMPLES_PER_FRAME == 0
+    return len(rows), n // SAMPLES_PER_FRAME
 
 
 def _check_outputs(out_dir: str, sessions: int, ticks: int) -> None:
@@ -18,41 +71,29 @@ def _check_outputs(out_dir: str, sessions: int, ticks: int) -> None:
     On the real-time clock a tick the host fell a whole beat behind on is skipped (counted as a
     miss, no output), so a session has 2 frames per tick that ran.
     """
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    records = _rows(pathlib.Path(out_dir) / "metrics.jsonl")
     tick_rows = [r for r in records if r.get("type") == "tick"]
     assert len(tick_rows) == ticks
     ran = sum(not r["skipped"] for r in tick_rows)
     assert ran >= ticks // 2
+    assert records[-1]["type"] == "summary"
     for i in range(sessions):
-        d = os.path.join(out_dir, f"s{i:03d}")
-        with open(os.path.join(d, "frames.jsonl")) as f:
-            rows = [json.loads(line) for line in f]
-        assert [r["frame"] for r in rows] == list(range(2 * ran))
-        assert all({"text", "function", "codes"} <= set(r) for r in rows)
-        with wave.open(os.path.join(d, "output.wav")) as w:
-            assert w.getframerate() == 22050
-            assert w.getnchannels() == 1
-            assert w.getnframes() == len(rows) * 1764
+        assert _session_frames(pathlib.Path(out_dir) / f"s{i:03d}") == (2 * ran, 2 * ran)
 
 
 def test_readme_command_runs_the_embedded_default(tmp_path):
     """Exactly the README's run command: 4 sessions of the bundled recording, 10 s, real time."""
-    exe = shutil.which("voicechat-serve")
-    cmd = [exe] if exe else [sys.executable, "-m", "voicechat_jax.serve"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = _run(cwd=tmp_path, console_script=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "beat latency ms p50/p99/p99.9/max" in proc.stdout
+    assert "late, by cause" in proc.stdout
     _check_outputs(str(tmp_path / "runs" / "serve"), sessions=4, ticks=62)
 
 
 @pytest.mark.parametrize(("loop", "ssm_kernel"), [("dispatch", "pallas"), ("resident", "xla")])
 def test_flags(tmp_path, loop, ssm_kernel):
     out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "-m",
-        "voicechat_jax.serve",
+    proc = _run(
         f"--loop={loop}",
         f"--ssm_kernel={ssm_kernel}",
         "--clock=offline",
@@ -61,10 +102,159 @@ def test_flags(tmp_path, loop, ssm_kernel):
         "--sessions=3",
         "--seconds=0.8",
         f"--output_dir={out}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]  # a refusal at capacity is not a failure
     _check_outputs(str(out), sessions=2, ticks=5)
     with open(out / "sessions.json") as f:
         failures = json.load(f)["failures"]
     assert "server full" in failures["s002"]
+    assert "sessions refused" in proc.stdout
+
+
+def test_context_cap_and_failed_sessions_are_reported(tmp_path):
+    """A session that reaches the cap is logged and counted; a rejected input fails its session,
+    shows in the summary and makes the exit status 3."""
+    bad = tmp_path / "bad.wav"
+    bad.write_text("this is a text file, not audio at all")
+    out = tmp_path / "out"
+    proc = _run(
+        "--context_frames=4",
+        "--seconds=1.6",
+        "--clock=offline",
+        "--slots=2",
+        "--sessions=2",
+        f"--input_wav={ASSET}",
+        f"--input_wav={bad}",
+        f"--output_dir={out}",
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "session s000 ended at the context cap (4 frames)" in proc.stderr
+    assert "1 session(s) failed" in proc.stderr
+    rows = [re.split(r" {2,}", line, maxsplit=1) for line in proc.stdout.splitlines()]
+    table = {row[0]: row[1] for row in rows if len(row) == 2}
+    assert table["sessions ended: context cap"] == "1"
+    assert table["sessions failed"] == "1"
+    assert _session_frames(out / "s000") == (4, 4)
+    sessions = json.loads((out / "sessions.json").read_text())
+    assert sessions["ended"] == {"s000": "context cap"}
+    assert "not a RIFF/WAVE file" in sessions["failures"]["s001"]
+
+
+def _serve_until(tmp_path, ticks: int, *flags: str):
+    """Starts a 60 s real-time run; returns (process, output dir, ticks run) once ``ticks`` ran."""
+    out = tmp_path / "out"
+    log = (tmp_path / "stdout.txt").open("w"), (tmp_path / "stderr.txt").open("w")
+    cmd = _cmd("--seconds=60", "--sessions=2", "--slots=2", f"--output_dir={out}", *flags)
+    proc = subprocess.Popen(cmd, stdout=log[0], stderr=log[1], text=True, env=_env())
+    deadline = time.monotonic() + 500
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+        metrics = out / "metrics.jsonl"
+        if metrics.exists():
+            rows = _rows(metrics)
+            ran = sum(1 for r in rows if r["type"] == "tick" and not r["skipped"])
+            if ran >= ticks:
+                return proc, out, ran
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the server did not start serving in time")
+
+
+@pytest.mark.parametrize(
+    ("sig", "loop"), [(signal.SIGTERM, "dispatch"), (signal.SIGINT, "resident")]
+)
+def test_signal_drains_and_exits_0(tmp_path, sig, loop):
+    """SIGTERM / SIGINT mid-run: every session ends with a shutdown event and its files hold at
+    least every beat served before the signal, whole; exit 0 within the drain bound."""
+    proc, out, ran_before = _serve_until(tmp_path, 8, f"--loop={loop}")
+    t = time.monotonic()
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=60)
+    drain_s = time.monotonic() - t
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert rc == 0, stderr[-3000:]
+    assert drain_s < 10.0  # --drain_timeout_s, the README's bound
+    assert "Traceback" not in stderr
+    rows = _rows(out / "metrics.jsonl")
+    assert rows[-1]["type"] == "summary"
+    ran = sum(1 for r in rows if r["type"] == "tick" and not r["skipped"])
+    assert ran_before <= ran < ran_before + 20
+    ended = sorted(
+        (r["session"], r["reason"]) for r in rows if r["type"] == "event" and r["event"] == "ended"
+    )
+    assert ended == [("s000", "shutdown"), ("s001", "shutdown")]
+    for sid in ("s000", "s001"):
+        assert _session_frames(out / sid) == (2 * ran, 2 * ran)
+    sessions = json.loads((out / "sessions.json").read_text())
+    assert sessions["ended"] == {"s000": "shutdown", "s001": "shutdown"}
+    assert sessions["stopped"] is True
+    assert "stopped by signal" in (tmp_path / "stdout.txt").read_text()
+
+
+def test_second_signal_exits_at_once(tmp_path):
+    """A second signal does not wait for the drain; the files are still valid."""
+    proc, out, ran_before = _serve_until(tmp_path, 8)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=30)
+    assert rc in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+    assert "exiting now" in (tmp_path / "stderr.txt").read_text()
+    for sid in ("s000", "s001"):
+        lines, wav_frames = _session_frames(out / sid)
+        assert lines >= 2 * ran_before
+        assert wav_frames in (lines, lines - 2)  # the beat being written may be in one file only
+
+
+BAD_FLAGS = [
+    ("--slots=0", "--slots=0: must be >= 1"),
+    ("--frames_per_tick=0", "--frames_per_tick=0: must be >= 1"),
+    ("--context_frames=1", "context cap is below one beat"),
+    ("--seconds=0", "--seconds=0.0: must be > 0"),
+    ("--seconds=-3", "--seconds=-3.0: must be > 0"),
+    ("--sessions=0", "--sessions=0: must be >= 1"),
+    ("--deadline_ms=500", "the deadline must be in (0, 160] ms"),
+    ("--system_prompt=12,x", "token ids must be non-negative integers"),
+    ("--at_cap=wrap", "--at_cap=wrap: value should be one of <end|rollover>"),
+    ("--model=nope", "--model=nope: must be a preset"),
+    ("--no_such_flag=1", "Unknown command line flag 'no_such_flag'"),
+    ("--output_dir=FILE", "exists and is not a directory"),
+    ("--output_dir=FILE/sub", "cannot be written: Not a directory"),
+]
+
+
+@pytest.mark.parametrize(("flag", "message"), BAD_FLAGS, ids=[f for f, _ in BAD_FLAGS])
+def test_bad_flag_fails_fast_with_one_line(tmp_path, flag, message):
+    afile = tmp_path / "FILE"
+    afile.write_text("a file, not a directory")
+    flag = flag.replace("FILE", str(afile))
+    out = tmp_path / "out"
+    args = [flag] if flag.startswith("--output_dir") else [f"--output_dir={out}", flag]
+    t = time.monotonic()
+    proc = _run(*args, timeout=120)
+    elapsed = time.monotonic() - t
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("voicechat-serve: ")
+    assert message in lines[0]
+    assert not (out / "metrics.jsonl").exists()  # nothing was built or run
+    assert elapsed < 60
+
+
+@pytest.mark.parametrize("kind", ["empty", "missing"])
+def test_checkpoint_error_is_one_line(tmp_path, kind):
+    ckpt = tmp_path / "ckpt"
+    if kind == "empty":
+        ckpt.mkdir()
+    proc = _run(f"--checkpoint={ckpt}", f"--output_dir={tmp_path / 'out'}", timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    mine = [line for line in proc.stderr.splitlines() if line.startswith("voicechat-serve:")]
+    assert len(mine) == 1
+    assert str(ckpt) in mine[0]
+
+
+def test_help_lists_the_servers_flags():
+    proc = _run("--help", console_script=True, timeout=120)
+    for flag in ("--slots", "--context_frames", "--at_cap", "--system_prompt", "--deadline_ms"):
+        assert flag in proc.stdout, proc.stdout[-2000:]

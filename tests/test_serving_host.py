@@ -5,6 +5,8 @@ Everything timed runs on a fake time source, so the tests are exact and take no 
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import io
 import json
 import math
@@ -12,18 +14,29 @@ import pathlib
 import re
 import struct
 import threading
+import types
+import wave
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from voicechat_jax.serving import (
     FRAME_LEN,
     AudioInputError,
     BeatClock,
+    BeatPool,
     CapacityError,
+    Cause,
+    EndedRecords,
+    GcMonitor,
+    GcPause,
+    GcPolicy,
+    HostTimeline,
     InputQueues,
     MetricsRecorder,
-    Session,
+    SessionFiles,
+    SessionOutput,
     SlotTable,
     decode_pcm16,
     format_table,
@@ -33,6 +46,7 @@ from voicechat_jax.serving import (
     validate_frame,
     write_wav,
 )
+from voicechat_jax.serving.writer import WavStream, frame_lines, to_pcm16
 
 P = 0.16  # seconds per tick: 2 frames of 80 ms
 BEAT = 2 * FRAME_LEN  # input samples per tick
@@ -502,14 +516,25 @@ def test_take_beat_checks_slot_count_and_session_output():
     _, queues = _setup("a")
     with pytest.raises(ValueError, match="expected 3 slot entries"):
         queues.take_beat(["a"])
-    session = Session(id="x", slot=0, admitted_tick=0)
-    session.collect(2, wav=np.ones(3528), tokens=np.array([5, 6]), codes=np.zeros((2, 4), np.int32))
-    session.collect(2, wav=np.zeros(3528), tokens=np.array([7, 8]), codes=np.ones((2, 4), np.int32))
-    assert session.frames_out == 4
-    assert session.output.audio().shape == (7056,)
-    assert session.output.audio()[:3528].all()
-    np.testing.assert_array_equal(session.output.token_array(), [5, 6, 7, 8])
-    assert session.output.code_array().shape == (4, 4)
+    out = SessionOutput()
+    for i in range(40):  # past the initial capacity: the buffers grow and keep every frame
+        out.append(
+            text=np.array([2 * i, 2 * i + 1], np.int32),
+            function=np.array([7, 8], np.int32),
+            codes=np.full((2, 4), i, np.int32),
+            wav=np.full(3528, i / 40, np.float32),
+            transcript=np.full((2, 3), i, np.int32),
+            n_transcript=np.array([i % 4, 0], np.int32),
+        )
+    assert out.frames == 80
+    a = out.arrays()
+    np.testing.assert_array_equal(a["text"], np.arange(80))
+    np.testing.assert_array_equal(a["codes"][:, 0], np.repeat(np.arange(40), 2))
+    assert a["wav"].shape == (40 * 3528,)
+    np.testing.assert_array_equal(a["wav"][3528 * 39 :], np.float32(39 / 40))
+    assert out.transcript(2 * 3) == [3, 3, 3]
+    assert out.transcript(2 * 4) == []
+    assert SessionOutput().arrays()["text"].shape == (0,)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -576,15 +601,21 @@ def test_summary_statistics_against_numpy():
 
 
 def test_warmup_excluded_from_steady_state():
-    rec, *_ = _synthetic_run()
+    sink = io.StringIO()
+    rec, *_ = _synthetic_run(sink)
     s = rec.summary()
+    rows = [json.loads(line) for line in sink.getvalue().splitlines()]
+    warm_rows = [r for r in rows if r["type"] == "tick" and r["phase"] == "warmup"]
+    assert [r["tick"] for r in warm_rows] == [0, 1, 2]
+    assert s["warmup"]["missed_session_beats"] == sum(r["live_sessions"] for r in warm_rows)
     assert s["latency_ms"]["max"] < 200.0  # the 2 s compile ticks are not in steady stats
     assert s["warmup"]["ticks"] == 3
     assert s["warmup"]["latency_ms"]["max"] == pytest.approx(2000.0)
     assert s["warmup"]["missed_ticks"] == 3
-    assert s["warmup"]["missed_session_beats"] == sum(r.live_sessions for r in rec.ticks[:3])
-    assert all(r.phase == "warmup" for r in rec.ticks[:3])
-    assert all(r.phase == "steady" for r in rec.ticks[3:])
+    ticks = list(rec.recent)  # the last 256 records: all 403 ticks minus the oldest 147
+    assert len(ticks) == 256
+    assert ticks[-1].tick == 402
+    assert all(r.phase == "steady" for r in ticks)
 
 
 def test_rule_of_three_bound_when_no_miss():
@@ -633,7 +664,7 @@ def test_jsonl_table_and_prometheus():
     assert "compile tick s" in table
 
     text = prometheus_text(summary)
-    sample = re.compile(r'^voicechat_[a-z_]+(\{[a-z]+="[^"]*"\})? -?[0-9.e+-]+$')
+    sample = re.compile(r'^voicechat_[a-z_]+(\{[a-z]+="[^"]*"(,[a-z]+="[^"]*")*\})? -?[0-9.e+-]+$')
     values = {}
     for line in text.splitlines():
         if line.startswith("#"):
@@ -649,3 +680,299 @@ def test_jsonl_table_and_prometheus():
     )
     assert values['voicechat_session_events_total{event="refused"}'] == 1
     assert math.isclose(values["voicechat_beat_latency_seconds_sum"], sum(exp["lat"]), rel_tol=1e-8)
+    # The text parses as Prometheus exposition, with the miss causes as labelled samples.
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    causes = {
+        (x.labels["cause"], x.labels["kind"]): x.value
+        for x in families["voicechat_missed_ticks_by_cause"].samples
+    }
+    assert causes[("unknown", "skipped")] == 1  # recorded without a timeline
+    assert sum(causes.values()) == summary["missed_ticks"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Host timeline and attribution
+
+
+def _timeline(start, *, prepare=0.001, dispatch=0.001, device=0.02, pickup=0.001, wake=0.0, **kw):
+    woke = start + wake
+    prepared = woke + prepare
+    dispatched = None if dispatch is None else prepared + dispatch
+    ready = (prepared if dispatched is None else dispatched) + device
+    return HostTimeline(
+        woke=woke,
+        prepared=prepared,
+        dispatched=dispatched,
+        ready=ready,
+        readable=ready + pickup,
+        reader_began=kw.get("reader_began", prepared if dispatch is None else dispatched),
+        collect_s=0.002,
+    )
+
+
+def _record(rec, k, timeline, live=("a", "b")):
+    start = k * P
+    return rec.record(k, start, timeline.readable, start + P, list(live), timeline=timeline)
+
+
+def test_late_tick_attributed_to_device_or_host():
+    rec = MetricsRecorder(warmup_ticks=0, period_s=P)
+    on_time = _record(rec, 0, _timeline(0.0))
+    assert (on_time.missed, on_time.cause) == (False, None)
+    assert on_time.stages["device"] == pytest.approx(0.02)
+    assert on_time.stages["collect"] == pytest.approx(0.002)
+    # The device alone took longer than the beat: a device miss, whatever the host did.
+    slow_device = _record(rec, 1, _timeline(P, device=0.2))
+    assert (slow_device.missed, slow_device.cause, slow_device.host_stage) == (True, "device", None)
+    # The device was in time; preparing the input took too long: the host lost the beat.
+    slow_prepare = _record(rec, 2, _timeline(2 * P, prepare=0.15, device=0.02))
+    assert (slow_prepare.cause, slow_prepare.host_stage) == ("host", "prepare")
+    # A collection inside the device interval held the GIL when the output was ready: host.
+    t = _timeline(3 * P, device=0.2)
+    rec.record_gc([GcPause(3 * P + 0.01, 3 * P + 0.17, 2, 0, policy=False)])
+    gc_tick = _record(rec, 3, t)
+    assert (gc_tick.cause, gc_tick.host_stage) == ("host", "gc")
+    assert gc_tick.stages["gc"] == pytest.approx(0.16)
+    assert (gc_tick.gc_pauses, gc_tick.gc_generation) == (1, 2)
+    # The output was there before the reader looked (its wait returned at once): the reader's
+    # lateness is the host's.
+    start = 4 * P
+    late_reader = _timeline(start, device=0.19)
+    late_reader = dataclasses.replace(late_reader, reader_began=late_reader.ready - 1e-5)
+    reader_tick = _record(rec, 4, late_reader)
+    assert (reader_tick.cause, reader_tick.host_stage) == ("host", "reader")
+    s = rec.summary()
+    assert s["missed_by_cause"] == {"host": 3, "device": 1, "unknown": 0}
+    assert s["host_stages_ms"]["prepare"]["max"] == pytest.approx(150.0)
+    assert s["gc"]["automatic"] == [0, 0, 1]
+    assert "host 3 / device 1" in format_table(s)
+
+
+def test_skipped_tick_attributed_to_its_cause():
+    # Resident loop: the beat thread waits for each beat's device work.
+    rec = MetricsRecorder(warmup_ticks=0, period_s=P, beat_waits_for_device=True)
+    _record(rec, 0, _timeline(0.0, dispatch=None, device=0.45))  # the device stalls 450 ms
+    assert rec.record(1, P, None, 2 * P, ["a"]).cause == "device"  # even a perfect host skips 1
+    # Tick 2 starts late because of the device: that lateness is the device's, not the host's.
+    late = _record(rec, 2, _timeline(2 * P, dispatch=None, wake=0.13, device=0.04))
+    assert late.missed
+    assert late.cause == "device"  # 130 ms forced by the last beat + 40 ms of its own > 160 ms
+    # A host that stalls after an in-time device beat skips the next tick on its own.
+    _record(rec, 3, _timeline(3 * P, dispatch=None, device=0.02))
+    assert rec.record(4, 4 * P, None, 5 * P, ["a"]).cause == "host"
+    # Dispatch loop: the beat thread never waits for the device, so a skip is the host's,
+    # unless the server skipped because the device was still behind.
+    rec = MetricsRecorder(warmup_ticks=0, period_s=P, beat_waits_for_device=False)
+    _record(rec, 0, _timeline(0.0, device=0.45))
+    assert rec.record(1, P, None, 2 * P, ["a"]).cause == "host"
+    assert rec.record(2, 2 * P, None, 3 * P, ["a"], cause=Cause.DEVICE).cause == "device"
+    s = rec.summary()
+    assert s["skipped_by_cause"] == {"host": 1, "device": 1, "unknown": 0}
+    assert s["ticks_skipped"] == 2
+    # Without any timeline there is nothing to attribute by.
+    assert MetricsRecorder(0).record(0, 0.0, None, P).cause == "unknown"
+
+
+def test_recorder_memory_is_bounded():
+    rec = MetricsRecorder(warmup_ticks=2, window=100, recent=10, max_sessions=5)
+    for k in range(3000):
+        sid = f"s{k // 10}"  # a new session every 10 ticks: 300 in all
+        if k % 10 == 0:
+            rec.record_event("admitted", session=sid, tick=k)
+        missed = k % 97 == 0
+        rec.record(k, k * P, k * P + (0.2 if missed else 0.01), (k + 1) * P, [sid])
+        rec.record_gc([GcPause(k * P, k * P + 1e-4, 0, 0, policy=True)])
+        if k % 10 == 9:
+            rec.record_event("released", session=sid, tick=k)
+    kept = rec.retained()
+    assert kept == {
+        "recent": 10,
+        "window": 100,
+        "sessions": 5,
+        "pauses": kept["pauses"],
+        "warmup": 2,
+    }
+    assert kept["pauses"] <= 2
+    s = rec.summary()
+    assert s["ticks"] == 2998  # running counters cover the whole run
+    assert s["window_ticks"] == 100
+    assert s["missed_ticks"] == sum(1 for k in range(2, 3000) if k % 97 == 0)
+    assert s["sessions_with_misses"] == s["missed_ticks"]  # each miss in a different session
+    assert len(s["per_session"]) == 5
+    assert s["gc"]["policy"][0] == 3000
+
+
+# ---------------------------------------------------------------------------------------------
+# GC policy
+
+
+def test_gc_policy_slack_freezes_and_collects_only_when_it_fits():
+    assert gc.isenabled()
+    monitor = GcMonitor()
+    policy = GcPolicy("slack", monitor=monitor)
+    with monitor:
+        policy.start()
+        try:
+            assert not gc.isenabled()
+            assert gc.get_freeze_count() > 0
+            monitor.drain()
+            for _ in range(3 * gc.get_threshold()[0]):
+                a = []
+                a.append(a)  # cyclic garbage: only a collection frees it
+            del a
+            assert policy.due() is not None
+            assert policy.in_slack(0.0) == 0.0  # no slack: nothing runs, the collection waits
+            assert policy.deferred == 1
+            assert monitor.drain() == []
+            assert policy.in_slack(1.0) > 0.0
+            pauses = monitor.drain()
+            assert len(pauses) == 1
+            assert pauses[0].policy
+            assert pauses[0].collected > 0
+            assert sum(policy.collections) == 1
+        finally:
+            policy.stop()
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
+    # "default" leaves Python's collector alone.
+    default = GcPolicy("default")
+    with default:
+        assert gc.isenabled()
+        assert gc.get_freeze_count() == 0
+        assert default.in_slack(1.0) == 0.0
+    with pytest.raises(ValueError, match="often"):
+        GcPolicy("often")
+
+
+def test_gc_monitor_records_automatic_collections():
+    monitor = GcMonitor(maxlen=4)
+    with monitor:
+        for _ in range(6):
+            gc.collect(0)
+    pauses = monitor.drain()
+    assert len(pauses) == 4  # bounded: the two oldest were dropped
+    assert monitor.dropped == 2
+    assert all(not p.policy and p.generation == 0 and p.end >= p.start for p in pauses)
+    gc.collect(0)
+    assert monitor.drain() == []  # uninstalled
+
+
+def test_ended_records_keep_the_newest():
+    records = EndedRecords(limit=3)
+    for i in range(10):
+        records[f"s{i}"] = i
+    assert list(records) == ["s7", "s8", "s9"]
+    assert records.dropped == 7
+    assert dict(records) == {"s7": 7, "s8": 8, "s9": 9}
+    with pytest.raises(ValueError, match="limit"):
+        EndedRecords(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streamed outputs
+
+
+def test_wav_stream_is_valid_after_every_append(tmp_path):
+    path = tmp_path / "out.wav"
+    stream = WavStream(path, 22050)
+    assert read_wav_or_empty(path) == 0  # a valid header counting no samples
+    rng = np.random.default_rng(3)
+    chunks = [rng.uniform(-0.5, 0.5, 3528).astype(np.float32) for _ in range(5)]
+    for i, chunk in enumerate(chunks):
+        stream.append(to_pcm16(chunk))
+        # Read while the stream is still open, as after a crash: every beat so far is there.
+        got = read_wav(path, expected_rate=22050)
+        np.testing.assert_array_equal(
+            got, np.concatenate([to_pcm16(c) for c in chunks[: i + 1]]) / np.float32(32768)
+        )
+    # A crash between the data and the header patch: the header counts fewer samples than the
+    # file holds; the file still reads, as the beats it counts.
+    data = path.read_bytes() + to_pcm16(chunks[0]).tobytes()
+    (tmp_path / "crashed.wav").write_bytes(data)
+    assert read_wav(tmp_path / "crashed.wav", expected_rate=22050).shape == (5 * 3528,)
+    stream.close()
+    stream.close()  # idempotent
+    with wave.open(str(path)) as w:
+        assert (w.getnframes(), w.getframerate(), w.getsampwidth()) == (5 * 3528, 22050, 2)
+
+
+def read_wav_or_empty(path) -> int:
+    with wave.open(str(path)) as w:
+        return w.getnframes()
+
+
+def test_to_pcm16_clips_and_zeroes_nan():
+    x = np.array([[0.5, 2.0, -2.0], [np.nan, np.inf, -np.inf]], np.float32)
+    out = np.zeros((2, 3), "<i2")
+    assert to_pcm16(x, out=out) is out
+    np.testing.assert_array_equal(out, [[16384, 32767, -32767], [0, 32767, -32767]])
+
+
+def test_session_files_stream_frames_jsonl(tmp_path):
+    def tokenizer(ids: np.ndarray) -> str:
+        return " ".join(map(str, ids.tolist()))
+
+    files = SessionFiles(tmp_path / "s0", sample_rate=22050, tokenizer=tokenizer)
+    for beat in range(3):
+        text = np.array([2 * beat, 2 * beat + 1], np.int32)
+        transcript = np.zeros((2, 4), np.int32)
+        transcript[0, :2] = [7, 8]
+        lines = frame_lines(
+            2 * beat,
+            text,
+            text + 100,
+            np.full((2, 3), beat, np.int32),
+            transcript,
+            np.array([2, 0], np.int32),
+        )
+        files.append(lines, np.zeros(3528, "<i2"), text)
+        rows = [json.loads(line) for line in (tmp_path / "s0" / "frames.jsonl").open()]
+        assert [r["frame"] for r in rows] == list(range(2 * beat + 2))  # on disk beat by beat
+    raw = (tmp_path / "s0" / "frames.jsonl").read_text().splitlines()
+    assert raw == [json.dumps(r) for r in rows]  # the layout json.dumps writes
+    assert rows[2] == {
+        "frame": 2,
+        "text": 2,
+        "function": 102,
+        "codes": [1, 1, 1],
+        "transcript": [7, 8],
+    }
+    assert rows[3]["transcript"] == []
+    paths = files.close()
+    assert (tmp_path / "s0" / "transcript.txt").read_text() == "0 1 2 3 4 5\n"
+    assert set(paths) == {"wav", "frames", "transcript"}
+
+
+def test_beat_pool_reuses_and_bounds_buffers():
+    def out(value):
+        frames = types.SimpleNamespace(
+            text=np.full((2, 2), value, np.int32),
+            function=np.zeros((2, 2), np.int32),
+            codes=np.zeros((2, 2, 3), np.int32),
+            wav=np.full((2, 3528), value, np.float32),
+            transcript=np.zeros((2, 2, 4), np.int32),
+            n_transcript=np.zeros((2, 2), np.int32),
+        )
+        return types.SimpleNamespace(
+            frames=frames,
+            ran=np.ones(2, bool),
+            active=np.ones(2, bool),
+            at_cap=np.zeros(2, bool),
+            frame=np.full(2, value, np.int32),
+        )
+
+    pool = BeatPool(capacity=2)
+    first = pool.take(out(1))
+    source = out(2)
+    second = pool.take(source)
+    source.frames.wav[:] = 0  # the pickup owns a copy: the device's buffer may be reused
+    assert second.wav[0, 0] == 2
+    assert first.text[0, 0] == 1
+    for beat in (first, second):
+        pool.give(beat)
+    assert pool.take(out(3)) in (first, second)  # reused, refilled
+    taken = [pool.take(out(4)) for _ in range(5)]  # the writer is behind: more are made
+    assert pool.allocated == 6
+    for beat in taken:
+        pool.give(beat)
+    assert pool._free.qsize() == 2  # back to the bound once it caught up

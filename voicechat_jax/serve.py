@@ -2,19 +2,39 @@ r"""voicechat-serve: serve full-duplex voice sessions on the beat clock.
 
 With no flags it runs the embedded default: the ``tiny`` model with random weights, the bundled
 speech recording, 4 sessions for 10 s on the real-time clock. It prints the latency and miss table
-and writes, per session, ``output.wav`` (22.05 kHz), ``frames.jsonl`` and, where a tokenizer is
-available, ``transcript.txt``; plus ``metrics.jsonl`` for the run.
+and streams, per session, ``output.wav`` (22.05 kHz), ``frames.jsonl`` and, where a tokenizer is
+available, ``transcript.txt``; plus ``metrics.jsonl`` and ``sessions.json`` for the run.
 
   voicechat-serve --checkpoint=checkpoints/voicechat_11b --slots=32 --sessions=32 --seconds=80
+
+Flags are checked before anything is built; a bad one is refused in one line. SIGTERM or SIGINT
+drains the server (no new session, the beat in flight finished, every live session ended with a
+``shutdown`` event, its files closed) and exits within ``--drain_timeout_s``; a second signal exits
+at once.
+
+Exit status: 0 served (or drained) with no failed session; 1 could not run (a checkpoint that
+cannot be restored, an output that cannot be written, a drain past its timeout); 2 bad flags;
+3 served, but at least one session failed (rejected input file, bad audio, vanished client;
+sessions refused at capacity do not count); 128 + N on a second signal N.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import tempfile
+import threading
 
 from absl import app, flags, logging
 
+from voicechat_jax import config as config_lib
 from voicechat_jax.serving import runner
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_SESSIONS_FAILED = 3
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "A converted checkpoint directory (voicechat-convert).")
@@ -23,7 +43,19 @@ flags.DEFINE_integer("slots", 4, "Slots the state is sized for (capacity).")
 flags.DEFINE_integer("sessions", 4, "Scripted sessions to run (over --slots are refused).")
 flags.DEFINE_float("seconds", 10.0, "Length of the run.")
 flags.DEFINE_integer("frames_per_tick", 2, "Model frames per beat (2 = 160 ms).")
-flags.DEFINE_integer("context_frames", 1500, "Per-session context cap in frames.")
+flags.DEFINE_integer("context_frames", 1500, "Per-session context cap in frames (1500 = 120 s).")
+flags.DEFINE_enum(
+    "at_cap",
+    "end",
+    ["end", "rollover"],
+    "At the context cap a session ends (with an event) or rolls over (context reset, re-seeded).",
+)
+flags.DEFINE_list(
+    "system_prompt", [], "System prompt as LLM token ids, comma-separated (prefilled once)."
+)
+flags.DEFINE_float(
+    "deadline_ms", None, "Beat deadline in ms after the beat's start (default: the beat period)."
+)
 flags.DEFINE_multi_string("input_wav", None, "16 kHz mono WAV(s); sessions take them in turn.")
 flags.DEFINE_string("output_dir", "runs/serve", "Where per-session outputs and metrics go.")
 flags.DEFINE_enum(
@@ -43,38 +75,200 @@ flags.DEFINE_integer("warmup_ticks", 3, "Ticks reported as warm-up, apart from s
 flags.DEFINE_enum(
     "ssm_kernel", "xla", ["xla", "pallas"], "Mamba-2 decode SSM update (pallas: in place)."
 )
+flags.DEFINE_enum("attention", "xla", ["xla", "cudnn"], "Decode attention implementation.")
+flags.DEFINE_enum(
+    "gc_policy",
+    "slack",
+    ["slack", "default"],
+    "Garbage collection: only in a beat's slack after a frozen start-up heap (slack), or "
+    "Python's automatic collector (default; for comparison).",
+)
+flags.DEFINE_float(
+    "drain_timeout_s", 10.0, "After SIGTERM/SIGINT, exit 1 if draining takes longer than this."
+)
+
+flags.register_validator("slots", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("sessions", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("seconds", lambda v: v > 0, "must be > 0")
+flags.register_validator("frames_per_tick", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("warmup_ticks", lambda v: v >= 0, "must be >= 0")
+flags.register_validator("drain_timeout_s", lambda v: v > 0, "must be > 0")
+flags.register_validator(
+    "model", lambda v: v in config_lib.PRESETS, f"must be a preset: {sorted(config_lib.PRESETS)}"
+)
 
 
-def main(argv: list[str]) -> None:
-    del argv
-    options = runner.RunOptions(
-        checkpoint=FLAGS.checkpoint,
-        model=FLAGS.model,
+@flags.multi_flags_validator(["context_frames", "frames_per_tick"])
+def _check_context(values: dict) -> bool:
+    cap, fpt = values["context_frames"], values["frames_per_tick"]
+    if fpt >= 1 and cap < fpt:
+        raise flags.ValidationError("the context cap is below one beat (frames_per_tick)")
+    return True
+
+
+@flags.multi_flags_validator(["deadline_ms", "frames_per_tick"])
+def _check_deadline(values: dict) -> bool:
+    deadline, fpt = values["deadline_ms"], values["frames_per_tick"]
+    beat_ms = 80.0 * fpt
+    if deadline is not None and not 0 < deadline <= beat_ms:
+        raise flags.ValidationError(f"the deadline must be in (0, {beat_ms:g}] ms (the beat)")
+    return True
+
+
+@flags.validator("system_prompt", "token ids must be non-negative integers, comma-separated")
+def _check_prompt(ids: list[str]) -> bool:
+    return all(x.strip().isdigit() for x in ids)
+
+
+@flags.validator("output_dir")
+def _check_output_dir(path: str) -> bool:
+    """The directory exists or can be made, and a file can be written in it."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise flags.ValidationError("exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise flags.ValidationError(f"cannot be written: {e.strerror or e}") from None
+    return True
+
+
+def _fail(message: str, code: int, *, now: bool = False) -> None:
+    """One line on stderr, then exit: a user's error, not a bug, gets no traceback.
+
+    ``now``: from a thread other than the main one, or past a drain's deadline (``os._exit``).
+    """
+    sys.stderr.write(f"voicechat-serve: {message}\n")
+    sys.stderr.flush()
+    if now:
+        os._exit(code)
+    sys.exit(code)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(str(e).replace("\n", " "), EXIT_USAGE)
+        raise  # not reached
+
+
+class _Signals:
+    """SIGTERM / SIGINT: the first drains the server, a second exits at once.
+
+    The work is done by a watcher thread woken through ``signal.set_wakeup_fd``, not in the Python
+    handler: during the resident loop the main thread sits in one long XLA call, and a Python
+    handler would not run before it returns.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, stop: threading.Event, drain_timeout_s: float):
+        self.stop = stop
+        self.drain_timeout_s = drain_timeout_s
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handler)
+        threading.Thread(target=self._watch, args=(read_fd,), name="signals", daemon=True).start()
+
+    @staticmethod
+    def _handler(signum, frame) -> None:
+        del signum, frame  # the watcher thread acts; this only replaces the default action
+
+    def _watch(self, read_fd: int) -> None:
+        received = 0
+        while True:
+            data = os.read(read_fd, 64)
+            for signum in data:
+                if signum not in self.SIGNALS:
+                    continue
+                received += 1
+                name = signal.Signals(signum).name
+                if received > 1:
+                    sys.stderr.write(f"voicechat-serve: second {name}: exiting now\n")
+                    sys.stderr.flush()
+                    os._exit(128 + signum)
+                logging.warning(
+                    "%s: draining (stops admitting, ends every session; a second signal exits "
+                    "at once)",
+                    name,
+                )
+                self.stop.set()
+                timer = threading.Timer(self.drain_timeout_s, self._timeout)
+                timer.daemon = True
+                timer.start()
+
+    def _timeout(self) -> None:
+        message = f"draining took longer than {self.drain_timeout_s:g} s; exiting"
+        _fail(message, EXIT_ERROR, now=True)
+
+
+def options_from_flags() -> runner.RunOptions:
+    """The run's options from the parsed flags (one ``ServeConfig`` for the serving fields)."""
+    serve = config_lib.ServeConfig(
         slots=FLAGS.slots,
-        sessions=FLAGS.sessions,
-        seconds=FLAGS.seconds,
         frames_per_tick=FLAGS.frames_per_tick,
         context_frames=FLAGS.context_frames,
+        at_cap=FLAGS.at_cap,
+        speech_sampling=FLAGS.speech_sampling,
+        system_prompt=tuple(int(x) for x in FLAGS.system_prompt),
+        attention=FLAGS.attention,
+        ssm_kernel=FLAGS.ssm_kernel,
+        deadline_ms=FLAGS.deadline_ms,
+    )
+    return runner.RunOptions(
+        serve=serve,
+        checkpoint=FLAGS.checkpoint,
+        model=FLAGS.model,
+        sessions=FLAGS.sessions,
+        seconds=FLAGS.seconds,
         input_wavs=tuple(FLAGS.input_wav or ()),
         output_dir=FLAGS.output_dir,
         loop=FLAGS.loop,
         clock=FLAGS.clock,
-        speech_sampling=FLAGS.speech_sampling,
         churn=FLAGS.churn,
         seed=FLAGS.seed,
         precision=FLAGS.precision,
         warmup_ticks=FLAGS.warmup_ticks,
-        ssm_kernel=FLAGS.ssm_kernel,
+        gc_policy=FLAGS.gc_policy,
     )
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {argv[1:]} (flags are --name=value)", EXIT_USAGE)
+    from voicechat_jax.checkpoint import CheckpointError  # orbax: imported once flags are good
+
+    options = options_from_flags()
     logging.info("serving with %s", options)
-    result = runner.run(options)
+    stop = threading.Event()
+    _Signals(stop, FLAGS.drain_timeout_s)
+    try:
+        result = runner.run(options, stop=stop)
+    except CheckpointError as e:
+        _fail(f"checkpoint {FLAGS.checkpoint}: {e}", EXIT_ERROR)
+    except OSError as e:
+        _fail(f"error: {e}", EXIT_ERROR)
     print(result.table)  # the CLI's report; the library itself never prints
     print(f"outputs: {os.path.abspath(options.output_dir)}")
+    if result.stopped:
+        print("stopped by signal: every live session ended with a shutdown event")
+    sys.stdout.flush()
+    if result.failed:
+        sys.stderr.write(f"voicechat-serve: {result.failed} session(s) failed (sessions.json)\n")
+        sys.exit(EXIT_SESSIONS_FAILED)
 
 
 def run() -> None:
     """Console-script entry point."""
-    app.run(main)
+    # absl's --help lists the key flags of the main module, taken to be sys.argv[0]: the console
+    # script, which defines none. Make this module's flags that module's key flags.
+    for flag in FLAGS.get_key_flags_for_module(__name__):
+        FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

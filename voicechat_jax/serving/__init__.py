@@ -18,9 +18,12 @@ from voicechat_jax.serving.audio import (
     write_wav,
 )
 from voicechat_jax.serving.clock import OFFLINE, REALTIME, BeatClock, TickTiming
+from voicechat_jax.serving.gc_policy import GcMonitor, GcPause, GcPolicy
 from voicechat_jax.serving.metrics import (
     STEADY,
     WARMUP,
+    Cause,
+    HostTimeline,
     MetricsRecorder,
     TickRecord,
     format_table,
@@ -28,10 +31,17 @@ from voicechat_jax.serving.metrics import (
 )
 from voicechat_jax.serving.sessions import (
     CapacityError,
+    EndedRecords,
     InputQueues,
     Session,
-    SessionOutput,
     SlotTable,
+)
+from voicechat_jax.serving.writer import (
+    BeatPool,
+    HostBeat,
+    SessionFiles,
+    SessionOutput,
+    WavStream,
 )
 
 __all__ = [
@@ -44,14 +54,24 @@ __all__ = [
     "WARMUP",
     "AudioInputError",
     "BeatClock",
+    "BeatPool",
     "CapacityError",
+    "Cause",
+    "EndedRecords",
+    "GcMonitor",
+    "GcPause",
+    "GcPolicy",
+    "HostBeat",
+    "HostTimeline",
     "InputQueues",
     "MetricsRecorder",
     "Session",
+    "SessionFiles",
     "SessionOutput",
     "SlotTable",
     "TickRecord",
     "TickTiming",
+    "WavStream",
     "decode_pcm16",
     "format_table",
     "frames",

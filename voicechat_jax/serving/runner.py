@@ -1,6 +1,9 @@
-"""One serving run from options: build the model, script the sessions, serve, write the outputs.
+"""One serving run from options: build the model, script the sessions, serve, stream the outputs.
 
 This is the library behind ``voicechat-serve`` (and the tests of it): ``run(RunOptions(...))``.
+Each session's ``output.wav`` and ``frames.jsonl`` are written beat by beat while the run goes
+(``writer.SessionFiles``), ``metrics.jsonl`` one line per tick and event; ``sessions.json`` (who
+failed, was refused, or ended early, and why) is written when the run ends or is stopped.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 
 import jax
 import numpy as np
@@ -19,32 +23,38 @@ from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving.metrics import format_table
-from voicechat_jax.serving.server import Engine, Server, SessionPlan, write_session_outputs
+from voicechat_jax.serving.server import Engine, Server, SessionPlan
 
 DEFAULT_WAV = os.path.join(os.path.dirname(__file__), "..", "assets", "speech_16k.wav")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-    """Everything a serving run is configured by (the CLI's flags)."""
+    """Everything a serving run is configured by (the CLI's flags).
 
+    ``serve`` is the server configuration as the engine takes it (slots, beat, context cap and
+    what happens at it, system prompt, deadline, sampler, kernels); the other fields say what
+    to serve, for how long, and where the outputs go.
+    """
+
+    serve: config_lib.ServeConfig = dataclasses.field(default_factory=config_lib.ServeConfig)
     model: str = "tiny"
-    slots: int = 4
     sessions: int = 4
     seconds: float = 10.0
-    frames_per_tick: int = 2
-    context_frames: int = 1500
     input_wavs: tuple[str, ...] = ()
     output_dir: str = "runs/serve"
     loop: str = "dispatch"
     clock: str = "realtime"
-    speech_sampling: str = "faithful"
     churn: bool = False
     seed: int = 0
     precision: str = "reference"
     warmup_ticks: int = 3
     checkpoint: str | None = None
-    ssm_kernel: str = "xla"
+    gc_policy: str = "slack"
+
+    @property
+    def n_ticks(self) -> int:
+        return max(1, round(self.seconds * 1000.0 / self.serve.beat_ms))
 
 
 @dataclasses.dataclass
@@ -52,9 +62,12 @@ class RunResult:
     summary: dict
     table: str
     outputs: dict  # session id -> {"wav": path, "frames": path, ...}
-    failures: dict  # session id -> error message (refused, bad input)
-    ended: dict  # session id -> why it ended before the run did
+    failures: dict  # session id -> error message (refused, bad input, vanished)
+    ended: dict  # session id -> why it ended before the run did (left, context cap, ...)
     compiles: int  # tick traces during the run (1 expected)
+    failed: int = 0  # sessions that failed (input rejected, bad input, vanished); not refusals
+    refused: int = 0  # sessions refused at capacity
+    stopped: bool = False  # the run was stopped (drained) before its end
 
 
 def default_wav() -> str:
@@ -98,7 +111,10 @@ def plans_for(
 
 
 def build(options: RunOptions):
-    """The model config, params, serve config and precision of a run."""
+    """The model config, params, serve config, precision and tokenizer of a run.
+
+    A converted checkpoint that cannot be restored raises ``checkpoint.CheckpointError``.
+    """
     precision = Precision.fp32() if options.precision == "fp32" else Precision.reference()
     if options.checkpoint:
         from voicechat_jax import checkpoint as ckpt  # converted checkpoints (voicechat-convert)
@@ -111,26 +127,25 @@ def build(options: RunOptions):
         cfg = config_lib.PRESETS[options.model]()
         params = voicechat.init(jax.random.key(options.seed), cfg, precision)
         tokenizer = None
-    serve = config_lib.ServeConfig(
-        slots=options.slots,
-        frames_per_tick=options.frames_per_tick,
-        context_frames=options.context_frames,
-        speech_sampling=options.speech_sampling,
-        ssm_kernel=options.ssm_kernel,
-    )
-    return cfg, params, serve, precision, tokenizer
+    return cfg, params, options.serve, precision, tokenizer
 
 
-def run(options: RunOptions) -> RunResult:
-    """Serves the scripted sessions of ``options`` and writes their outputs."""
+def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResult:
+    """Serves the scripted sessions of ``options``, streaming their outputs.
+
+    ``stop``: once set (a signal handler, another thread), the server drains: no new admission,
+    the beat in flight is finished, every live session ends with a ``shutdown`` event and its
+    files are closed; then this returns as a finished run does.
+    """
+    os.makedirs(options.output_dir, exist_ok=True)
     cfg, params, serve, precision, tokenizer = build(options)
-    n_ticks = max(1, round(options.seconds * 1000.0 / serve.beat_ms))
+    n_ticks = options.n_ticks
     inputs = _load_inputs(options.input_wavs, options.sessions)
     plans, failures = plans_for(options, n_ticks, inputs)
-    os.makedirs(options.output_dir, exist_ok=True)
     traces0 = step_lib.TRACE_COUNT["tick"]
     engine = Engine(params, cfg, serve, precision)
-    with open(os.path.join(options.output_dir, "metrics.jsonl"), "w") as sink:
+    # Line-buffered: each tick's line reaches the file as it is recorded (by the writer thread).
+    with open(os.path.join(options.output_dir, "metrics.jsonl"), "w", buffering=1) as sink:
         server = Server(
             engine,
             clock=options.clock,
@@ -139,22 +154,34 @@ def run(options: RunOptions) -> RunResult:
             warmup_ticks=options.warmup_ticks,
             metrics_sink=sink,
             max_backlog_beats=None if options.clock == "offline" else 4,
+            gc_policy=options.gc_policy,
+            output_dir=options.output_dir,
+            keep_outputs=False,
+            tokenizer=tokenizer,
+            stop_event=stop,
         )
-        server.run(plans, n_ticks)
-        summary = server.metrics.close()
-    failures.update(server.failures)
-    outputs = {}
-    for sid, log in server.logs.items():
-        outputs[sid] = write_session_outputs(
-            options.output_dir, sid, log, sample_rate=cfg.codec.sample_rate, tokenizer=tokenizer
-        )
-    with open(os.path.join(options.output_dir, "sessions.json"), "w") as f:
-        json.dump({"failures": failures, "ended": server.ended}, f, indent=1, default=str)
+        for sid, message in failures.items():
+            server.metrics.record_event("failed", session=sid, tick=None, message=message)
+        try:
+            server.run(plans, n_ticks)
+        finally:
+            summary = server.metrics.close()
+            failures.update(server.failures)
+            with open(os.path.join(options.output_dir, "sessions.json"), "w") as f:
+                json.dump(
+                    {"failures": failures, "ended": dict(server.ended), "stopped": server.stopping},
+                    f,
+                    indent=1,
+                    default=str,
+                )
     return RunResult(
         summary=summary,
         table=format_table(summary),
-        outputs=outputs,
+        outputs=dict(server.outputs),
         failures=failures,
         ended=dict(server.ended),
         compiles=step_lib.TRACE_COUNT["tick"] - traces0,
+        failed=summary["failed_sessions"],
+        refused=server.slots.refused,
+        stopped=server.stopping,
     )

@@ -2,47 +2,69 @@
 
 ``Engine`` (``voicechat_jax.engine``) holds the parameters, the fresh-session template, the slot
 state and the compiled tick. ``Server`` owns the clock, the slot table, the per-session input
-queues, the metrics and each session's collected output, and drives the engine in one of two loops
-with identical outputs:
+queues, the metrics and each session's output, and drives the engine in one of two loops with
+identical outputs:
 
 - ``resident``: one jitted ``lax.while_loop`` for the whole run (``step.resident_loop``); the
-  device calls back to the host for each beat's input and hands each beat's output back.
+  device calls back to the host for each beat's input (``_next_beat``: the clock's wait and the
+  beat's preparation) and hands each beat's output back (``_deliver``: a copy into a pooled host
+  buffer and a queue put, nothing else).
 - ``dispatch``: one donated jitted call per beat; a reader thread waits for beat k's output (and
-  timestamps it) while the main thread sleeps to beat k+1 and dispatches it.
+  timestamps it) while the beat thread sleeps to beat k+1 and dispatches it.
+
+Either way, a writer thread takes each beat's outputs off the beat path: into each session's
+files (``writer.SessionFiles``: ``output.wav`` and ``frames.jsonl`` streamed beat by beat) and/or
+memory (``writer.SessionOutput``), and into the metrics with the beat's host timeline. The beat
+path itself (clock, input, the tick) touches JAX only to dispatch the tick; garbage collection runs
+in the beat's slack (``gc_policy.GcPolicy``); every container that grows with uptime is bounded.
 
 Sessions come from ``SessionPlan``s (a file's audio, when to join and leave, which beats arrive
-late) or from any other source that pushes into ``Server.queues``.
+late) or from any other source that pushes into ``Server.queues``. ``request_stop`` (any thread)
+drains the server: no new admission, the beat in flight is finished and written, every live
+session ends with a ``shutdown`` event and its files are closed.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
-import json
+import math
 import os
 import queue
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import jax
 import numpy as np
 from absl import logging
 
 from voicechat_jax import state as state_lib
-from voicechat_jax.engine import Engine  # noqa: F401  (re-exported: serving's entry point)
+from voicechat_jax.engine import Engine
 from voicechat_jax.serving import audio as audio_lib
-from voicechat_jax.serving.clock import BeatClock
-from voicechat_jax.serving.metrics import MetricsRecorder
+from voicechat_jax.serving.clock import OFFLINE, BeatClock, TickTiming
+from voicechat_jax.serving.gc_policy import GcMonitor, GcPolicy
+from voicechat_jax.serving.metrics import Cause, HostTimeline, MetricsRecorder
 from voicechat_jax.serving.sessions import (
     CapacityError,
+    EndedRecords,
     InputQueues,
-    Session,
-    SessionOutput,
     SlotTable,
+)
+from voicechat_jax.serving.writer import (
+    BeatPool,
+    HostBeat,
+    SessionFiles,
+    SessionOutput,
+    SessionSink,
+    frame_lines,
+    to_pcm16,
 )
 
 LOOPS = ("resident", "dispatch")
+SHUTDOWN = "shutdown"
+_now = time.monotonic  # the beat clock's time source
 
 
 @dataclasses.dataclass
@@ -70,8 +92,112 @@ def session_key(seed: int, session_id: Hashable) -> np.ndarray:
     )
 
 
+# ---- messages to the writer thread (in beat order) -------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Snapshot:
+    """Who was in which slot for a tick, and whose input was incomplete."""
+
+    live: list  # [B] session id or None
+    underruns: list
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dispatched:
+    """Beat thread -> reader (dispatch loop): a beat whose output is on its way."""
+
+    tick: int
+    timing: TickTiming
+    prepared: float
+    dispatched: float
+    out: state_lib.BeatOutput
+    snapshot: _Snapshot
+
+
+@dataclasses.dataclass(frozen=True)
+class _Beat:
+    """A beat's outputs on the host."""
+
+    tick: int
+    timing: TickTiming
+    snapshot: _Snapshot
+    beat: HostBeat
+    prepared: float
+    dispatched: float | None
+    reader_began: float | None
+    ready: float
+    readable: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Skipped:
+    tick: int
+    start: float
+    deadline: float
+    live: list
+    cause: Cause | None = None  # known at the skip (the device behind); else the metrics decide
+
+
+@dataclasses.dataclass(frozen=True)
+class _Opened:
+    session: Hashable
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ended:
+    session: Hashable
+
+
+@dataclasses.dataclass(frozen=True)
+class _Event:
+    fields: dict
+
+
+_STOP = object()
+
+
 class Server:
-    """The host side of a serving run; see the module docstring."""
+    """The host side of a serving run; see the module docstring.
+
+    Args (beyond the engine and the loop):
+      vanish_beats: a live session that delivers no audio at all for this many consecutive
+        beats (4 s at the default beat) is taken for a vanished client: it fails with that
+        message and its slot is freed. None never ends a silent session.
+      gc_policy: ``"slack"`` (collections only in a beat's slack) or ``"default"`` (Python's
+        automatic collector, as before the policy existed; for comparison).
+      output_dir: stream each session's ``output.wav`` and ``frames.jsonl`` into
+        ``output_dir/<session id>/`` as the run goes (None: no files).
+      keep_outputs: also keep every session's frames in memory (``logs``); for tests and short
+        runs, since it grows with the frames served.
+      tokenizer: with ``output_dir``, writes each session's ``transcript.txt`` when it ends.
+      max_ended: records of sessions that ended (``logs``, ``outputs``, ``failures``, ``ended``)
+        kept; older ones are dropped (their counts stay in the metrics).
+      stop_event: an event that, once set, drains the server (as ``request_stop``).
+      max_inflight: dispatch loop, real-time clock: a tick that comes due while this many earlier
+        beats are still on the device is skipped (a device-caused miss) rather than queued, so
+        that a device slower than the beat cannot make the latency grow without bound.
+
+    Threads, and what each one owns (every other field is set in ``__init__`` and then only read):
+
+    - the *beat thread* runs ``prepare`` and the clock's waits, one beat at a time: the caller of
+      ``run`` in the dispatch loop; the device loop's callback thread in the resident loop (with the
+      first beat on the caller's thread before the loop starts). It owns ``failures``, ``ended``,
+      ``failed_sessions``, ``_by_join``, ``_by_leave``, ``_live``, ``_late_buffer``, ``_silent``,
+      ``_last``, ``_snapshot`` and, in the resident loop, ``_inflight`` (``_next_beat`` and
+      ``_deliver`` run one at a time, in order: the device waits for each).
+    - the *reader thread* (dispatch loop) owns nothing: it forwards messages in order.
+    - the *writer thread* owns ``logs``, ``outputs``, ``_sinks``, ``_capped``, ``_pcm`` and the
+      consuming end of the GC monitor.
+    - shared, and safe by construction: ``slots`` and ``queues`` (each behind its own lock; any
+      thread may push client audio), ``metrics`` (one lock), ``pool``, ``_to_reader``,
+      ``_to_writer`` and ``_cap_reached`` (``queue.SimpleQueue``: the writer tells the beat thread
+      which sessions reached the context cap), ``_stop`` (an ``Event``), ``_picked_through``
+      (behind the ``_picked`` condition), ``_error`` (set once, by whichever thread fails first).
+
+    ``logs``, ``outputs``, ``failures`` and ``ended`` may be read by any thread once ``run`` has
+    returned.
+    """
 
     def __init__(
         self,
@@ -84,12 +210,15 @@ class Server:
         metrics_sink=None,
         max_backlog_beats: int | None = 4,
         vanish_beats: int | None = 25,
+        gc_policy: str = "slack",
+        output_dir: str | os.PathLike | None = None,
+        keep_outputs: bool = True,
+        tokenizer: Callable[[np.ndarray], str] | None = None,
+        max_ended: int = 1024,
+        metrics_window: int = 1 << 16,
+        max_inflight: int = 2,
+        stop_event: threading.Event | None = None,
     ):
-        """Args (beyond the engine and the loop):
-        vanish_beats: a live session that delivers no audio at all for this many consecutive
-          beats (4 s at the default beat) is taken for a vanished client: it fails with that
-          message and its slot is freed. None never ends a silent session.
-        """
         if loop not in LOOPS:
             raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
         serve = engine.serve
@@ -103,19 +232,97 @@ class Server:
         self.queues = InputQueues(
             serve.slots, engine.samples_per_beat, max_backlog_beats=max_backlog_beats
         )
-        self.metrics = MetricsRecorder(warmup_ticks, sink=metrics_sink)
-        self.logs: dict[Hashable, SessionOutput] = {}  # every admitted session's output
-        self._records: dict[Hashable, Session] = {}  # kept after release: late beats collect
-        self.failures: dict[Hashable, str] = {}
-        self.ended: dict[Hashable, str] = {}  # session -> why it ended (left, failed, context cap)
-        self._pending_release: dict[int, Hashable] = {}
-        self._snapshots: dict[int, tuple[list, list]] = {}  # tick -> slot ids, underrun ids
-        self._plans: list[SessionPlan] = []
-        self._late_buffer: dict[Hashable, list[np.ndarray]] = {}
+        self.metrics = MetricsRecorder(
+            warmup_ticks,
+            sink=metrics_sink,
+            period_s=period,
+            beat_waits_for_device=loop == "resident",
+            window=metrics_window,
+            max_sessions=max_ended,
+        )
+        self.gc_monitor = GcMonitor()
+        self.gc = GcPolicy(gc_policy, monitor=self.gc_monitor)
+        self.output_dir = None if output_dir is None else os.fspath(output_dir)
+        self.keep_outputs = keep_outputs
+        self.tokenizer = tokenizer
         self.vanish_beats = vanish_beats
+        self.max_inflight = max_inflight
+        self.pool = BeatPool()
+        self._stop = stop_event or threading.Event()
+        self._error: BaseException | None = None
+        # Beat thread.
+        self.failures = EndedRecords(max_ended)  # session -> why it failed or was refused
+        self.ended = EndedRecords(max_ended)  # session -> why it ended before the run did
+        self.failed_sessions = 0  # sessions that failed (bad input, vanished); not refusals
+        self._by_join: dict[int, list[SessionPlan]] = {}
+        self._by_leave: dict[int, list[SessionPlan]] = {}
+        self._live: dict[Hashable, tuple[SessionPlan, int]] = {}  # scripted, live: (plan, joined)
+        self._late_buffer: dict[Hashable, list[np.ndarray]] = {}
         self._silent: dict[Hashable, int] = {}  # consecutive beats with no input at all
+        self._last: int | None = None
+        self._snapshot: _Snapshot | None = None
+        self._inflight: dict[int, tuple] = {}  # resident: device iteration -> the beat's stamps
+        self._n_ticks = 0
+        # Writer thread.
+        self.logs = _Retained(max_ended)  # session -> SessionOutput (keep_outputs)
+        self.outputs = _Retained(max_ended)  # session -> {"wav": path, "frames": path, ...}
+        self._sinks: dict[Hashable, SessionSink] = {}
+        self._capped: set[Hashable] = set()
+        self._pcm: np.ndarray | None = None
+        # Channels.
+        self._to_reader: queue.SimpleQueue = queue.SimpleQueue()
+        self._to_writer: queue.SimpleQueue = queue.SimpleQueue()
+        self._cap_reached: queue.SimpleQueue = queue.SimpleQueue()
+        self._picked = threading.Condition()
+        self._picked_through = -1
 
-    # ---- host beat preparation -------------------------------------------------------------
+    # ---- control -----------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Drains the server at the next beat boundary (any thread; see the module docstring)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def retained(self) -> dict[str, int]:
+        """Sizes of every container that could grow with uptime (the tests hold them flat)."""
+        return {
+            "logs": len(self.logs),
+            "outputs": len(self.outputs),
+            "failures": len(self.failures),
+            "ended": len(self.ended),
+            "plans_pending": sum(map(len, self._by_join.values())),
+            "leaves_pending": sum(map(len, self._by_leave.values())),
+            "live": len(self._live),
+            "late_buffer": len(self._late_buffer),
+            "silent": len(self._silent),
+            "inflight": len(self._inflight),
+            "sinks": len(self._sinks),
+            "capped": len(self._capped),
+            "pool_allocated": self.pool.allocated,
+            **{f"metrics_{k}": v for k, v in self.metrics.retained().items()},
+        }
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._stop.set()
+
+    def _send(self, msg) -> None:
+        """To the writer, after every beat already dispatched (the reader forwards in order)."""
+        (self._to_reader if self.loop == "dispatch" else self._to_writer).put(msg)
+
+    # ---- host beat preparation (beat thread) -------------------------------------------------
+
+    def _load(self, plans: Sequence[SessionPlan]) -> None:
+        self._by_join.clear()
+        self._by_leave.clear()
+        for plan in plans:
+            self._by_join.setdefault(plan.join, []).append(plan)
+            if plan.leave is not None:
+                self._by_leave.setdefault(plan.leave, []).append(plan)
 
     def _beat_audio(self, plan: SessionPlan, beat: int, joined: int) -> np.ndarray:
         n = self.engine.samples_per_beat
@@ -125,6 +332,19 @@ class Server:
             chunk = np.pad(chunk, (0, n - chunk.size))
         return chunk.astype(np.float32)
 
+    def _end(self, sid: Hashable, why: str, detail: str, tick: int) -> None:
+        """Bookkeeping for a session whose slot was just released (beat thread)."""
+        self.ended[sid] = detail
+        self._live.pop(sid, None)
+        self._late_buffer.pop(sid, None)
+        self._silent.pop(sid, None)
+        if why == "failed":
+            self.failed_sessions += 1
+            self._send(_Event({"event": "failed", "session": sid, "tick": tick, "message": detail}))
+        # Logged by the writer thread: a log line can block (a full stderr pipe), the beat cannot.
+        self._send(_Event({"event": "ended", "session": sid, "reason": why, "tick": tick}))
+        self._send(_Ended(sid))
+
     def prepare(self, k: int) -> state_lib.BeatInput:
         """The host's work before tick k: membership changes, client input, the beat's arrays."""
         B = self.engine.serve.slots
@@ -132,25 +352,29 @@ class Server:
         release = np.zeros((B,), np.bool_)
         keys = np.zeros((B, 2), np.uint32)
         # Sessions leaving: scripted leaves, failed input, context cap reached.
-        leaving = {p.id: "left" for p in self._plans if p.leave == k and p.id in self.logs}
+        leaving: dict[Hashable, tuple[str, str]] = {}
+        for plan in self._by_leave.pop(k, ()):
+            if plan.id in self._live:
+                leaving[plan.id] = ("left", "left")
         for sid, reason in self.queues.failed().items():
-            leaving[sid] = f"failed: {reason}"
+            leaving[sid] = ("failed", f"failed: {reason}")
             self.failures[sid] = reason
-        for slot, sid in list(self._pending_release.items()):
-            leaving.setdefault(sid, "context cap")
-            del self._pending_release[slot]
-        for sid, reason in leaving.items():
+        while True:
+            try:
+                sid = self._cap_reached.get_nowait()
+            except queue.Empty:
+                break
+            leaving.setdefault(sid, ("context cap", "context cap"))
+        for sid, (why, detail) in leaving.items():
             try:
                 session = self.slots.release(sid, tick=k)
             except KeyError:
                 continue
             self.queues.close(sid)
             release[session.slot] = True
-            self.ended[sid] = reason
+            self._end(sid, why, detail, k)
         # Sessions joining.
-        for plan in self._plans:
-            if plan.join != k:
-                continue
+        for plan in self._by_join.pop(k, ()):
             try:
                 slot = self.slots.admit(plan.id, tick=k, source=plan.source)
             except CapacityError as e:
@@ -160,32 +384,25 @@ class Server:
             admit[slot] = True
             release[slot] = False
             keys[slot] = session_key(self.seed, plan.id)
-            session = self.slots.session(plan.id)
-            self._records[plan.id] = session
-            self.logs[plan.id] = session.output
+            self._live[plan.id] = (plan, k)
+            self._send(_Opened(plan.id))
         for event in self.slots.drain_events():
-            self.metrics.record_event(**event)
+            self._send(_Event(event))
         # Scripted clients push this beat's audio (late beats arrive with the next one).
-        for plan in self._plans:
-            if plan.id not in self.logs or self.ended.get(plan.id):
-                continue
-            try:
-                joined = self.slots.session(plan.id).admitted_tick
-            except KeyError:
-                continue
+        for sid, (plan, joined) in self._live.items():
             if plan.vanish is not None and k - joined >= plan.vanish:
                 continue
             chunk = self._beat_audio(plan, k, joined)
-            held = self._late_buffer.setdefault(plan.id, [])
+            held = self._late_buffer.setdefault(sid, [])
             try:
                 if (k - joined) in plan.late:
                     held.append(chunk)
                 else:
                     for c in [*held, chunk]:
-                        self.queues.push(plan.id, c)
+                        self.queues.push(sid, c)
                     held.clear()
             except audio_lib.AudioInputError as e:
-                logging.warning("session %s failed: %s", plan.id, e)
+                logging.warning("session %s failed: %s", sid, e)
         live = self.slots.slot_sessions()
         silent = {sid: self.queues.backlog(sid) == 0 for sid in live if sid is not None}
         audio, underrun = self.queues.take_beat(live)
@@ -194,144 +411,361 @@ class Server:
             if self.vanish_beats is not None and self._silent[sid] >= self.vanish_beats:
                 # Fail it now; the next beat's membership step releases it.
                 self.queues.fail(sid, f"client vanished: no audio for {self._silent[sid]} beats")
-        self._snapshots[k] = (live, [live[b] for b in range(B) if underrun[b]])
+        self._snapshot = _Snapshot(live, [live[b] for b in range(B) if underrun[b]])
         return self.engine.empty_beat().replace(audio=audio, admit=admit, release=release, key=keys)
 
-    # ---- host output collection ------------------------------------------------------------
+    def _wait_for(self, k: int, last: int | None) -> TickTiming:
+        """Collects garbage in the slack before tick k if there is any, then waits for k.
 
-    def collect(self, k: int, out, start: float, deadline: float) -> None:
-        """Takes beat k's outputs (NumPy leaves) into each session's log and the metrics."""
-        readable = time.monotonic()
-        live, underruns = self._snapshots.pop(k)
-        frames = out.frames
-        for b, sid in enumerate(live):
-            if sid is None or not out.ran[b]:
-                if sid is not None and out.at_cap[b] and self.engine.serve.at_cap == "end":
-                    self._pending_release[b] = sid
-                continue
-            T = frames.text.shape[1]
-            self._records[sid].collect(
-                T,
-                wav=frames.wav[b],
-                tokens=np.stack([frames.text[b], frames.function[b]], axis=-1),
-                codes=frames.codes[b],
-                transcript=[
-                    [int(x) for x in frames.transcript[b, t, : int(frames.n_transcript[b, t])]]
-                    for t in range(T)
-                ],
+        ``last``: the last tick whose beat went to the device (None: none yet).
+        """
+        if self.clock.mode == OFFLINE:
+            self.gc.in_slack(math.inf)
+            return self.clock.wait_for_tick(k)
+        start = self.clock.tick_start(k)
+        on_host = True
+        if self.loop == "dispatch" and last is not None:
+            # The slack begins when the last beat's output is on the host: a collection before
+            # that would hold the GIL while the reader wants it.
+            with self._picked:
+                on_host = self._picked.wait_for(
+                    lambda: self._picked_through >= last,
+                    timeout=max(0.0, start - _now() - self.gc.margin_s),
+                )
+        if on_host:
+            self.gc.in_slack(start - _now())
+        return self.clock.wait_for_tick(k)
+
+    def _skipped(self, last: int | None, k: int) -> None:
+        """Ticks the clock skipped between ``last`` and ``k``: their input goes, they are missed."""
+        if last is None or k == last + 1:
+            return
+        live = [s for s in self.slots.slot_sessions() if s is not None]
+        for j in range(last + 1, k):
+            self._send(_Skipped(j, self.clock.tick_start(j), self.clock.deadline(j), live))
+        self.queues.discard_beats(k - last - 1)
+
+    def _end_live_sessions(self, tick: int) -> None:
+        """On a stop request: every live session ends with a ``shutdown`` event (beat thread)."""
+        if not self._stop.is_set():
+            return
+        for session in self.slots.sessions():
+            self.slots.release(session.id, tick=tick)
+            self.queues.close(session.id)
+            self._end(session.id, SHUTDOWN, SHUTDOWN, tick)
+        for event in self.slots.drain_events():
+            self._send(_Event(event))
+
+    # ---- the writer thread -------------------------------------------------------------------
+
+    def _writer_main(self) -> None:
+        try:
+            while (msg := self._to_writer.get()) is not _STOP:
+                self.metrics.record_gc(self.gc_monitor.drain())
+                if isinstance(msg, _Beat):
+                    self._collect(msg)
+                elif isinstance(msg, _Skipped):
+                    self.metrics.record(
+                        msg.tick, msg.start, None, msg.deadline, msg.live, cause=msg.cause
+                    )
+                elif isinstance(msg, _Event):
+                    self.metrics.record_event(**msg.fields)
+                    if msg.fields["event"] == "ended":
+                        self._log_end(**msg.fields)
+                elif isinstance(msg, _Opened):
+                    self._open_sink(msg.session)
+                elif isinstance(msg, _Ended):
+                    self._close_sink(msg.session)
+        except BaseException as e:
+            logging.exception("the output writer failed")
+            self._fail(e)
+        finally:
+            for sid in list(self._sinks):
+                self._close_sink(sid)
+            self.metrics.record_gc(self.gc_monitor.drain())
+
+    def _log_end(self, *, session: Hashable, reason: str, tick: int, **_) -> None:
+        if reason == "context cap":
+            cap = self.engine.serve.context_frames
+            logging.info(
+                "session %s ended at the context cap (%d frames) at tick %d", session, cap, tick
             )
+        elif reason == SHUTDOWN:
+            logging.info("session %s ended: server shutdown at tick %d", session, tick)
+        else:
+            logging.info("session %s ended (%s) at tick %d", session, reason, tick)
+
+    def _open_sink(self, sid: Hashable) -> None:
+        files = None
+        if self.output_dir is not None:
+            files = SessionFiles(
+                os.path.join(self.output_dir, str(sid)),
+                sample_rate=self.engine.cfg.codec.sample_rate,
+                tokenizer=self.tokenizer,
+            )
+            self.outputs[sid] = dict(files.paths)
+        output = SessionOutput() if self.keep_outputs else None
+        if output is not None:
+            self.logs[sid] = output
+        self._sinks[sid] = SessionSink(output, files)
+
+    def _close_sink(self, sid: Hashable) -> None:
+        sink = self._sinks.pop(sid, None)
+        self._capped.discard(sid)
+        if sink is None:
+            return
+        paths = sink.close()
+        if paths:
+            self.outputs[sid] = paths
+            self.outputs.retire(sid)
+        if sid in self.logs:
+            self.logs.retire(sid)
+
+    def _collect(self, msg: _Beat) -> None:
+        """A beat's outputs into each live session's sink, then its tick record."""
+        t0 = _now()
+        beat = msg.beat
+        pcm = None
+        if self.output_dir is not None:
+            if self._pcm is None or self._pcm.shape != beat.wav.shape:
+                self._pcm = np.zeros(beat.wav.shape, "<i2")
+            pcm = to_pcm16(beat.wav, out=self._pcm)
+        cap_ends = self.engine.serve.at_cap == "end"
+        live = msg.snapshot.live
+        for b, sid in enumerate(live):
+            if sid is None:
+                continue
+            if beat.ran[b]:
+                sink = self._sinks.get(sid)
+                if sink is not None:
+                    sink.append(beat, b, None if pcm is None else pcm[b])
+            elif beat.at_cap[b] and cap_ends and sid not in self._capped:
+                self._capped.add(sid)
+                self._cap_reached.put(sid)
+        self.pool.give(beat)
+        timing = msg.timing
         self.metrics.record(
-            k,
-            start,
-            readable,
-            deadline,
+            msg.tick,
+            timing.start,
+            msg.readable,
+            timing.deadline,
             sessions=[s for s in live if s is not None],
-            underrun_sessions=underruns,
+            underrun_sessions=msg.snapshot.underruns,
+            timeline=HostTimeline(
+                woke=timing.began,
+                prepared=msg.prepared,
+                dispatched=msg.dispatched,
+                ready=msg.ready,
+                readable=msg.readable,
+                reader_began=msg.reader_began,
+                collect_s=_now() - t0,
+            ),
         )
 
-    # ---- the two loops ---------------------------------------------------------------------
+    # ---- the two loops -----------------------------------------------------------------------
 
     def run(self, plans: Sequence[SessionPlan], n_ticks: int) -> dict:
-        """Serves ``plans`` for ``n_ticks`` beats; returns the metrics summary."""
-        self._plans = list(plans)
+        """Serves ``plans`` for ``n_ticks`` beats (or until a stop); returns the metrics summary."""
+        self._load(plans)
+        self._n_ticks = n_ticks
+        compiled = None
         if self.loop == "dispatch":
             self.engine.compile_tick()
             self.metrics.record_compile("tick", self.engine.compile_s)
-            self._run_dispatch(n_ticks)
         else:
-            self._run_resident(n_ticks)
+            # Compile before the clock starts, so that compile time is not a late first beat.
+            compiled = self.engine.compile_resident(self._next_beat, self._deliver)
+            self.metrics.record_compile("resident_loop", self.engine.compile_s)
+        writer = threading.Thread(target=self._writer_main, name="voicechat-writer", daemon=True)
+        writer.start()
+        try:
+            with self.gc:
+                # Installed after the policy's start-up collection: that one is before the clock.
+                self.gc_monitor.install()
+                try:
+                    if self.loop == "dispatch":
+                        self._run_dispatch(n_ticks)
+                    else:
+                        self._run_resident(compiled)
+                finally:
+                    # The writer drains under the policy too: its last beats are the run's.
+                    self._to_writer.put(_STOP)
+                    writer.join()
+                    self.gc_monitor.uninstall()
+        finally:
+            if writer.is_alive():  # the policy's start failed before the loop began
+                self._to_writer.put(_STOP)
+                writer.join()
+        if self._error is not None:
+            raise self._error
         return self.metrics.summary()
 
     def _run_dispatch(self, n_ticks: int) -> None:
-        pending: queue.Queue = queue.Queue()
-
-        def reader():
-            while (item := pending.get()) is not None:
-                k, out, start, deadline = item
-                self.collect(k, jax.device_get(out), start, deadline)
-
-        thread = threading.Thread(target=reader, daemon=True)
-        thread.start()
+        reader = threading.Thread(target=self._reader_main, name="voicechat-reader", daemon=True)
+        reader.start()
         self.clock.begin()
-        last = None
+        last = None  # the last tick run or skipped
+        sent: collections.deque[int] = collections.deque()  # dispatched, not yet picked up
         try:
-            for _ in range(n_ticks):
+            while not self._stop.is_set():
                 k = self.clock.next_tick(last)
                 if k >= n_ticks:
                     break
-                timing = self.clock.wait_for_tick(k)
-                self._record_skipped(last, k)
+                timing = self._wait_for(k, sent[-1] if sent else None)
+                if self._stop.is_set():
+                    break
+                self._skipped(last, k)
                 last = k
+                with self._picked:
+                    picked = self._picked_through
+                while sent and sent[0] <= picked:
+                    sent.popleft()
+                if len(sent) >= self.max_inflight and self.clock.mode != OFFLINE:
+                    # The device is still on earlier beats: queued behind them this beat, and
+                    # every later one, would only come later still. It is skipped instead.
+                    live = [s for s in self.slots.slot_sessions() if s is not None]
+                    self._send(_Skipped(k, timing.start, timing.deadline, live, Cause.DEVICE))
+                    self.queues.discard_beats(1)
+                    continue
+                sent.append(k)
                 beat = self.prepare(k)
+                prepared = _now()
                 out = self.engine.tick(beat)
-                pending.put((k, out, timing.start, timing.deadline))
-                if self.clock.mode == "offline":
-                    # Offline ticks run back to back: the next starts when this one is read.
+                self._to_reader.put(_Dispatched(k, timing, prepared, _now(), out, self._snapshot))
+                if self.clock.mode == OFFLINE:
+                    # Offline ticks run back to back: the next starts when this one is done.
                     jax.block_until_ready(out)
+            self._end_live_sessions(0 if last is None else last + 1)
         finally:
-            pending.put(None)
-            thread.join()
+            self._to_reader.put(None)
+            reader.join()
 
-    def _record_skipped(self, last: int | None, k: int) -> None:
-        skipped = 0 if last is None else k - last - 1
-        for j in range(last + 1 if last is not None else k, k):
-            live = [s for s in self.slots.slot_sessions() if s is not None]
-            self.metrics.record(j, self.clock.tick_start(j), None, self.clock.deadline(j), live)
-        if skipped:
-            self.queues.discard_beats(skipped)
+    def _reader_main(self) -> None:
+        """Dispatch loop: waits for each beat's output, copies it to the host, passes it on."""
+        try:
+            while (item := self._to_reader.get()) is not None:
+                if not isinstance(item, _Dispatched):
+                    self._to_writer.put(item)
+                    continue
+                began = _now()
+                jax.block_until_ready(item.out)
+                ready = _now()
+                beat = self.pool.take(jax.device_get(item.out))
+                readable = _now()
+                with self._picked:
+                    self._picked_through = item.tick
+                    self._picked.notify_all()
+                self._to_writer.put(
+                    _Beat(
+                        item.tick,
+                        item.timing,
+                        item.snapshot,
+                        beat,
+                        item.prepared,
+                        item.dispatched,
+                        began,
+                        ready,
+                        readable,
+                    )
+                )
+        except BaseException as e:
+            logging.exception("the output reader failed")
+            self._fail(e)
+            with self._picked:
+                self._picked_through = 1 << 62
+                self._picked.notify_all()
 
-    def _run_resident(self, n_ticks: int) -> None:
-        timings: dict[int, tuple[float, float]] = {}
-        ticks: list[int] = []  # device iteration -> wall tick
-
-        def next_beat(i: int):
-            nk = self.clock.next_tick(ticks[-1])
-            stop = nk >= n_ticks
-            if stop:
-                beat = self.engine.empty_beat()
-            else:
-                timing = self.clock.wait_for_tick(nk)
-                self._record_skipped(ticks[-1], nk)
-                timings[nk] = (timing.start, timing.deadline)
-                ticks.append(nk)
-                beat = self.prepare(nk)
-            return beat, np.asarray(stop, np.bool_)
-
-        def deliver(i: int, out):
-            k = ticks[i]
-            self.collect(k, out, *timings.pop(k))
-
-        # Compile before the clock starts, so that compile time is not a late first beat.
-        compiled = self.engine.compile_resident(next_beat, deliver)
-        self.metrics.record_compile("resident_loop", self.engine.compile_s)
+    def _run_resident(self, compiled) -> None:
         self.clock.begin()
-        timing = self.clock.wait_for_tick(0)
-        timings[0] = (timing.start, timing.deadline)
-        ticks.append(0)
-        self.engine.run_resident(compiled, self.prepare(0))
+        timing = self._wait_for(0, None)
+        self._last = 0
+        first = self.prepare(0)
+        self._inflight[0] = (0, timing, _now(), self._snapshot)
+        try:
+            self.engine.run_resident(compiled, first)
+        except Exception:
+            if self._error is None:
+                raise
+        self._end_live_sessions(self._last + 1)
+
+    def _next_beat(self, i: int):
+        """Resident loop, on the device's callback: the input of device iteration i + 1."""
+        try:
+            last = self._last
+            k = self.clock.next_tick(last)
+            if k < self._n_ticks and not self._stop.is_set():
+                timing = self._wait_for(k, last)
+                if not self._stop.is_set():
+                    self._skipped(last, k)
+                    self._last = k
+                    beat = self.prepare(k)
+                    self._inflight[i + 1] = (k, timing, _now(), self._snapshot)
+                    return beat, np.asarray(False)
+        except BaseException as e:
+            logging.exception("preparing a beat failed")
+            self._fail(e)
+        beat = self.engine.empty_beat()
+        return beat, np.asarray(True)
+
+    def _deliver(self, i: int, out) -> None:
+        """Resident loop, on the device's callback: beat i's outputs into a pooled host buffer.
+
+        Bounded work only (a few array copies and a queue put): the device waits for it.
+        """
+        ready = _now()
+        try:
+            k, timing, prepared, snapshot = self._inflight.pop(i)
+            beat = self.pool.take(out)
+            self._to_writer.put(
+                _Beat(k, timing, snapshot, beat, prepared, None, None, ready, _now())
+            )
+        except BaseException as e:
+            logging.exception("taking a beat's output failed")
+            self._fail(e)
+
+
+class _Retained(EndedRecords):
+    """Live entries always kept; at most ``limit`` retired ones (the oldest dropped first)."""
+
+    def __init__(self, limit: int):
+        super().__init__(limit)
+        self._live: dict = {}
+
+    def __setitem__(self, key, value) -> None:
+        self._d.pop(key, None)
+        self._live[key] = value
+
+    def retire(self, key) -> None:
+        if key in self._live:
+            EndedRecords.__setitem__(self, key, self._live.pop(key))
+
+    def __getitem__(self, key):
+        return self._live[key] if key in self._live else self._d[key]
+
+    def __delitem__(self, key) -> None:
+        if key in self._live:
+            del self._live[key]
+        else:
+            del self._d[key]
+
+    def __iter__(self):
+        yield from self._live
+        yield from self._d
+
+    def __len__(self) -> int:
+        return len(self._live) + len(self._d)
 
 
 def write_session_outputs(
     out_dir: str, sid: Hashable, log: SessionOutput, *, sample_rate: int, tokenizer=None
 ) -> dict[str, str]:
-    """Writes ``output.wav``, ``frames.jsonl`` and (with a tokenizer) ``transcript.txt``."""
+    """Writes a kept session's ``output.wav``, ``frames.jsonl`` and (with a tokenizer)
+    ``transcript.txt`` at once, in the layout the server streams."""
     d = os.path.join(out_dir, str(sid))
-    os.makedirs(d, exist_ok=True)
-    arrays = log.arrays()
-    paths = {"wav": os.path.join(d, "output.wav"), "frames": os.path.join(d, "frames.jsonl")}
-    audio_lib.write_wav(paths["wav"], arrays["wav"], rate=sample_rate)
-    with open(paths["frames"], "w") as f:
-        for t in range(arrays["text"].shape[0]):
-            row = {
-                "frame": t,
-                "text": int(arrays["text"][t]),
-                "function": int(arrays["function"][t]),
-                "codes": [int(c) for c in arrays["codes"][t]],
-                "transcript": log.transcript[t] if t < len(log.transcript) else [],
-            }
-            f.write(json.dumps(row) + "\n")
-    if tokenizer is not None:
-        paths["transcript"] = os.path.join(d, "transcript.txt")
-        with open(paths["transcript"], "w") as f:
-            f.write(tokenizer(arrays["text"]) + "\n")
-    return paths
+    files = SessionFiles(d, sample_rate=sample_rate, tokenizer=tokenizer)
+    a = log.arrays()
+    lines = frame_lines(
+        0, a["text"], a["function"], a["codes"], a.get("transcript"), a.get("n_transcript")
+    )
+    files.append(lines, to_pcm16(a["wav"]), a["text"])
+    return files.close()

@@ -27,6 +27,7 @@ which must return NumPy only.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import threading
 from collections.abc import Hashable, Sequence
@@ -48,61 +49,8 @@ class CapacityError(RuntimeError):
 
 
 @dataclasses.dataclass
-class SessionOutput:
-    """What one session produced, frame by frame (host side, NumPy)."""
-
-    keep_audio: bool = True  # False: count frames only (long load runs, bounded memory)
-    wav: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks, each [n] float32
-    tokens: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks, each [T, ...]
-    codes: list[np.ndarray] = dataclasses.field(default_factory=list)  # chunks, each [T, Q]
-    transcript: list[list[int]] = dataclasses.field(default_factory=list)  # per frame, RNNT ids
-
-    def append(
-        self,
-        *,
-        wav: np.ndarray | None = None,
-        tokens: np.ndarray | None = None,
-        codes: np.ndarray | None = None,
-        transcript: list[list[int]] | None = None,
-    ) -> None:
-        if not self.keep_audio:
-            return
-        if wav is not None:
-            self.wav.append(np.asarray(wav, np.float32).reshape(-1))
-        if tokens is not None:
-            self.tokens.append(np.asarray(tokens))
-        if codes is not None:
-            self.codes.append(np.asarray(codes))
-        if transcript is not None:
-            self.transcript.extend(transcript)
-
-    def audio(self) -> np.ndarray:
-        """All output audio, float32 [n]."""
-        return np.concatenate(self.wav) if self.wav else np.zeros((0,), np.float32)
-
-    def token_array(self) -> np.ndarray:
-        """Per-frame tokens, [T, ...]."""
-        return np.concatenate(self.tokens) if self.tokens else np.zeros((0,), np.int32)
-
-    def code_array(self) -> np.ndarray:
-        """Per-frame codes, [T, Q]."""
-        return np.concatenate(self.codes) if self.codes else np.zeros((0, 0), np.int32)
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The server's per-frame outputs: ``text``, ``function`` [T] (its tokens are collected as
-        [T, 2] rows of text and function id), ``codes`` [T, Q] int32 and ``wav`` [n] float32."""
-        tokens = np.concatenate(self.tokens) if self.tokens else np.zeros((0, 2), np.int32)
-        return {
-            "text": tokens[:, 0].astype(np.int32),
-            "function": tokens[:, 1].astype(np.int32),
-            "codes": self.code_array().astype(np.int32),
-            "wav": self.audio(),
-        }
-
-
-@dataclasses.dataclass
 class Session:
-    """One live call's host-side record."""
+    """One live call's host-side record (its output goes to the writer: ``writer.SessionSink``)."""
 
     id: SessionId
     slot: int
@@ -110,24 +58,46 @@ class Session:
     source: str = ""  # where its input comes from, e.g. "file:speech_16k.wav", "ws:10.0.0.7"
     underruns: int = 0  # ticks whose beat was not (fully) there at the tick start
     dropped_samples: int = 0  # input dropped by the backlog bound or skipped ticks
-    frames_out: int = 0  # model frames of output collected
     failure: str | None = None  # why it failed (bad input, vanished client), None while healthy
     released_tick: int | None = None
-    output: SessionOutput = dataclasses.field(default_factory=SessionOutput)
 
-    def collect(
-        self,
-        frames: int,
-        *,
-        wav: np.ndarray | None = None,
-        tokens: np.ndarray | None = None,
-        codes: np.ndarray | None = None,
-        transcript: list[list[int]] | None = None,
-    ) -> None:
-        """Adds ``frames`` model frames of output (wav [n], tokens [T, ...], codes [T, Q],
-        transcript: T lists of ids)."""
-        self.frames_out += frames
-        self.output.append(wav=wav, tokens=tokens, codes=codes, transcript=transcript)
+
+class EndedRecords(collections.abc.MutableMapping):
+    """A mapping that keeps at most ``limit`` entries, dropping the oldest inserted first.
+
+    For records of sessions that ended (why they ended, why they failed) in a server that runs
+    for hours: the newest ``limit`` are kept, ``dropped`` counts the rest. Not thread-safe: one
+    owner thread writes it (see ``server.Server``).
+    """
+
+    def __init__(self, limit: int = 1024):
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.limit = limit
+        self._d: collections.OrderedDict = collections.OrderedDict()
+        self.dropped = 0
+
+    def __setitem__(self, key, value) -> None:
+        self._d[key] = value
+        self._d.move_to_end(key)
+        while len(self._d) > self.limit:
+            self._d.popitem(last=False)
+            self.dropped += 1
+
+    def __getitem__(self, key):
+        return self._d[key]
+
+    def __delitem__(self, key) -> None:
+        del self._d[key]
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __repr__(self) -> str:
+        return f"EndedRecords({dict(self._d)!r}, dropped={self.dropped})"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,367 @@
+"""A beat's outputs on the host, from pickup to each session's files, without per-frame objects.
+
+- ``HostBeat`` / ``BeatPool``: preallocated NumPy copies of one beat's ``BeatOutput``, reused beat
+  after beat. The pickup (the dispatch loop's reader thread, or the resident loop's ``deliver``
+  callback) copies the device's arrays into a pooled ``HostBeat`` and hands it on; the server's
+  writer thread fans it out to the sessions and gives it back. The pickup therefore does a bounded
+  amount of work (a handful of ``np.copyto``) and never waits for the writer.
+- ``SessionOutput``: one session's frames kept in memory, in buffers that grow by doubling
+  (tests and short runs; a long-running server keeps none and streams to files instead).
+- ``WavStream``, ``FramesStream``, ``SessionFiles``: each session's ``output.wav`` and
+  ``frames.jsonl``, appended beat by beat. The WAV is PCM16 written through the standard
+  ``wave`` module, which patches the RIFF and data sizes on every ``writeframes``, after the data;
+  the file is unbuffered, so after every beat the file on disk is a valid WAV holding every beat
+  appended so far (a crash between the data and the header patch leaves a header that counts one
+  beat fewer than the data: still valid). ``frames.jsonl`` gets each beat's lines in one write of
+  whole lines. So a crash loses at most the beats not yet written.
+
+No JAX here: this module runs in the writer thread and in the device loop's ``io_callback``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import wave
+from collections.abc import Callable
+
+import numpy as np
+from absl import logging
+
+PCM16_MAX = 32767.0
+
+
+def to_pcm16(wav: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Float samples (any shape) -> little-endian PCM16, clipped to [-1, 1]; NaN/Inf -> 0."""
+    x = np.nan_to_num(np.asarray(wav, np.float32), nan=0.0, posinf=1.0, neginf=-1.0)
+    np.clip(x, -1.0, 1.0, out=x)
+    x *= PCM16_MAX
+    np.rint(x, out=x)
+    if out is None:
+        return x.astype("<i2")
+    np.copyto(out, x, casting="unsafe")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# One beat's outputs on the host
+
+
+@dataclasses.dataclass
+class HostBeat:
+    """A beat's outputs as NumPy arrays, slot axis first (the fields of ``state.BeatOutput``)."""
+
+    text: np.ndarray  # [B, T] int32
+    function: np.ndarray  # [B, T] int32
+    codes: np.ndarray  # [B, T, Q] int32
+    wav: np.ndarray  # [B, T * 1764] float32, 22.05 kHz
+    transcript: np.ndarray  # [B, T, M] int32, the first n_transcript valid
+    n_transcript: np.ndarray  # [B, T] int32
+    ran: np.ndarray  # [B] bool
+    active: np.ndarray  # [B] bool
+    at_cap: np.ndarray  # [B] bool
+    frame: np.ndarray  # [B] int32
+
+    @staticmethod
+    def _leaves(out) -> dict[str, np.ndarray]:
+        f = out.frames
+        return {
+            "text": f.text,
+            "function": f.function,
+            "codes": f.codes,
+            "wav": f.wav,
+            "transcript": f.transcript,
+            "n_transcript": f.n_transcript,
+            "ran": out.ran,
+            "active": out.active,
+            "at_cap": out.at_cap,
+            "frame": out.frame,
+        }
+
+    @classmethod
+    def like(cls, out) -> HostBeat:
+        """Zeroed buffers shaped like ``out`` (a ``BeatOutput`` with array leaves)."""
+        return cls(
+            **{k: np.zeros(np.shape(v), np.asarray(v).dtype) for k, v in cls._leaves(out).items()}
+        )
+
+    def fill(self, out) -> None:
+        """Copies ``out``'s leaves (NumPy, or anything ``np.asarray`` reads) into these buffers."""
+        for name, value in self._leaves(out).items():
+            np.copyto(getattr(self, name), value)
+
+    @property
+    def frames_per_beat(self) -> int:
+        return self.text.shape[1]
+
+
+class BeatPool:
+    """Free ``HostBeat`` buffers shared by the pickup (takes) and the writer (gives back).
+
+    ``take`` never blocks: when every buffer is in use (the writer is behind) it allocates a new
+    one, counted in ``allocated``; ``give`` keeps at most ``capacity`` free buffers, so memory
+    returns to the bound once the writer has caught up.
+    """
+
+    def __init__(self, capacity: int = 16):
+        self.capacity = capacity
+        self._free: queue.SimpleQueue[HostBeat] = queue.SimpleQueue()
+        self.allocated = 0
+
+    def take(self, out) -> HostBeat:
+        """A buffer filled with ``out``."""
+        try:
+            beat = self._free.get_nowait()
+        except queue.Empty:
+            beat = HostBeat.like(out)
+            self.allocated += 1
+        beat.fill(out)
+        return beat
+
+    def give(self, beat: HostBeat) -> None:
+        if self._free.qsize() < self.capacity:
+            self._free.put(beat)
+
+
+# ---------------------------------------------------------------------------------------------
+# In-memory output
+
+
+class _Growing:
+    """Rows of one dtype and trailing shape in a buffer that doubles when full."""
+
+    def __init__(self, tail: tuple[int, ...], dtype, capacity: int = 64):
+        self._buf = np.zeros((capacity, *tail), dtype)
+        self.n = 0
+
+    def extend(self, rows: np.ndarray) -> None:
+        need = self.n + rows.shape[0]
+        if need > self._buf.shape[0]:
+            rows_alloc = max(need, 2 * self._buf.shape[0])
+            grown = np.zeros((rows_alloc, *self._buf.shape[1:]), self._buf.dtype)
+            grown[: self.n] = self._buf[: self.n]
+            self._buf = grown
+        self._buf[self.n : need] = rows
+        self.n = need
+
+    def view(self) -> np.ndarray:
+        return self._buf[: self.n]
+
+
+class SessionOutput:
+    """What one session produced, frame by frame, in growing NumPy buffers."""
+
+    def __init__(self):
+        self.frames = 0  # model frames collected
+        self._text: _Growing | None = None
+        self._function: _Growing | None = None
+        self._codes: _Growing | None = None
+        self._wav: _Growing | None = None
+        self._transcript: _Growing | None = None
+        self._n_transcript: _Growing | None = None
+
+    def append(
+        self,
+        *,
+        text: np.ndarray,
+        function: np.ndarray,
+        codes: np.ndarray,
+        wav: np.ndarray,
+        transcript: np.ndarray | None = None,
+        n_transcript: np.ndarray | None = None,
+    ) -> None:
+        """Adds T frames: text, function [T], codes [T, Q], wav [n], transcript [T, M], n [T]."""
+        T = text.shape[0]
+        if self._text is None:
+            self._text = _Growing((), np.int32)
+            self._function = _Growing((), np.int32)
+            self._codes = _Growing(codes.shape[1:], np.int32)
+            self._wav = _Growing((), np.float32, capacity=64 * max(1, wav.shape[0] // max(T, 1)))
+            if transcript is not None:
+                self._transcript = _Growing(transcript.shape[1:], np.int32)
+                self._n_transcript = _Growing((), np.int32)
+        self._text.extend(text)
+        self._function.extend(function)
+        self._codes.extend(codes)
+        self._wav.extend(np.asarray(wav, np.float32).reshape(-1))
+        if self._transcript is not None and transcript is not None:
+            self._transcript.extend(transcript)
+            self._n_transcript.extend(n_transcript)
+        self.frames += T
+
+    def audio(self) -> np.ndarray:
+        """All output audio, float32 [n]."""
+        return np.zeros((0,), np.float32) if self._wav is None else self._wav.view().copy()
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """``text``, ``function`` [T] int32, ``codes`` [T, Q] int32, ``wav`` [n] float32 and, when
+        collected, ``transcript`` [T, M] with ``n_transcript`` [T]."""
+        if self._text is None:
+            empty = np.zeros((0,), np.int32)
+            return {
+                "text": empty,
+                "function": empty,
+                "codes": np.zeros((0, 0), np.int32),
+                "wav": np.zeros((0,), np.float32),
+            }
+        out = {
+            "text": self._text.view().copy(),
+            "function": self._function.view().copy(),
+            "codes": self._codes.view().copy(),
+            "wav": self.audio(),
+        }
+        if self._transcript is not None:
+            out["transcript"] = self._transcript.view().copy()  # [T, M], the first n valid
+            out["n_transcript"] = self._n_transcript.view().copy()  # [T]
+        return out
+
+    def transcript(self, t: int) -> list[int]:
+        """Frame t's RNNT token ids."""
+        if self._transcript is None:
+            return []
+        return [int(x) for x in self._transcript.view()[t, : int(self._n_transcript.view()[t])]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Streamed files
+
+
+class WavStream:
+    """A mono PCM16 WAV file appended to beat by beat, valid after every append."""
+
+    def __init__(self, path: str | os.PathLike, rate: int):
+        self.path = os.fspath(path)
+        self._file = open(self.path, "wb", buffering=0)  # noqa: SIM115 (closed in close())
+        self._wav = wave.open(self._file, "wb")  # noqa: SIM115 (closed in close())
+        self._wav.setnchannels(1)
+        self._wav.setsampwidth(2)
+        self._wav.setframerate(rate)
+        self._wav.writeframes(b"")  # the header, counting 0 frames
+        self.samples = 0
+
+    def append(self, pcm: np.ndarray) -> None:
+        """Appends PCM16 samples [n] (C-contiguous int16) and patches the header sizes."""
+        self._wav.writeframes(memoryview(np.ascontiguousarray(pcm, "<i2")).cast("B"))
+        self.samples += pcm.shape[0]
+
+    def close(self) -> None:
+        if self._file.closed:
+            return
+        self._wav.close()
+        self._file.close()
+
+
+def frame_lines(
+    first: int,
+    text: np.ndarray,
+    function: np.ndarray,
+    codes: np.ndarray,
+    transcript: np.ndarray | None = None,
+    n_transcript: np.ndarray | None = None,
+) -> str:
+    """``frames.jsonl`` lines for T frames numbered from ``first`` (``json.dumps``'s layout)."""
+    lines = []
+    codes_l = codes.tolist()
+    for t in range(text.shape[0]):
+        ids = [] if transcript is None else transcript[t, : int(n_transcript[t])].tolist()
+        lines.append(
+            f'{{"frame": {first + t}, "text": {int(text[t])}, "function": {int(function[t])}, '
+            f'"codes": [{", ".join(map(str, codes_l[t]))}], '
+            f'"transcript": [{", ".join(map(str, ids))}]}}\n'
+        )
+    return "".join(lines)
+
+
+class FramesStream:
+    """``frames.jsonl``: each beat's lines appended in one write of whole lines."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._file = open(self.path, "wb", buffering=0)  # noqa: SIM115 (closed in close())
+
+    def append(self, lines: str) -> None:
+        data = memoryview(lines.encode())
+        while data:
+            data = data[self._file.write(data) :]
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class SessionFiles:
+    """One session's directory: ``output.wav`` and ``frames.jsonl`` streamed, and at the end
+    ``transcript.txt`` (with a tokenizer: the text channel decoded)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        sample_rate: int,
+        tokenizer: Callable[[np.ndarray], str] | None = None,
+    ):
+        self.directory = os.fspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self.paths = {
+            "wav": os.path.join(self.directory, "output.wav"),
+            "frames": os.path.join(self.directory, "frames.jsonl"),
+        }
+        self.wav = WavStream(self.paths["wav"], sample_rate)
+        self.frames = FramesStream(self.paths["frames"])
+        self.tokenizer = tokenizer
+        self._text = _Growing((), np.int32) if tokenizer is not None else None
+        self.n_frames = 0
+
+    def append(self, lines: str, pcm: np.ndarray, text: np.ndarray) -> None:
+        """One beat: its ``frames.jsonl`` lines, its PCM16 samples, its text tokens [T]."""
+        self.frames.append(lines)
+        self.wav.append(pcm)
+        if self._text is not None:
+            self._text.extend(text)
+        self.n_frames += text.shape[0]
+
+    def close(self) -> dict[str, str]:
+        """Closes the files (headers final); writes ``transcript.txt``; returns the paths."""
+        self.wav.close()
+        self.frames.close()
+        if self.tokenizer is not None:
+            self.paths["transcript"] = os.path.join(self.directory, "transcript.txt")
+            try:
+                text = self.tokenizer(self._text.view())
+            except Exception as e:  # a tokenizer bug must not lose the session's other files
+                logging.error("%s: transcript not written: %s", self.directory, e)
+            else:
+                with open(self.paths["transcript"], "w") as f:
+                    f.write(text + "\n")
+        return dict(self.paths)
+
+
+class SessionSink:
+    """Where one session's frames go: memory (``output``), files (``files``), or both."""
+
+    def __init__(self, output: SessionOutput | None, files: SessionFiles | None):
+        self.output = output
+        self.files = files
+        self.frames = 0
+
+    def append(self, beat: HostBeat, b: int, pcm: np.ndarray | None) -> None:
+        """Slot ``b`` of ``beat`` (``pcm``: that slot's PCM16 row, needed with files)."""
+        transcript, n_transcript = beat.transcript[b], beat.n_transcript[b]
+        if self.output is not None:
+            self.output.append(
+                text=beat.text[b],
+                function=beat.function[b],
+                codes=beat.codes[b],
+                wav=beat.wav[b],
+                transcript=transcript,
+                n_transcript=n_transcript,
+            )
+        if self.files is not None:
+            lines = frame_lines(
+                self.frames, beat.text[b], beat.function[b], beat.codes[b], transcript, n_transcript
+            )
+            self.files.append(lines, pcm, beat.text[b])
+        self.frames += beat.frames_per_beat
+
+    def close(self) -> dict[str, str]:
+        return {} if self.files is None else self.files.close()
