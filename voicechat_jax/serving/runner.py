@@ -64,7 +64,7 @@ class RunResult:
     outputs: dict  # session id -> {"wav": path, "frames": path, ...}
     failures: dict  # session id -> error message (refused, bad input, vanished)
     ended: dict  # session id -> why it ended before the run did (left, context cap, ...)
-    compiles: int  # tick traces during the run (1 expected)
+    compiles: int  # XLA compilations of the tick during the run (1 expected)
     failed: int = 0  # sessions that failed (input rejected, bad input, vanished); not refusals
     refused: int = 0  # sessions refused at capacity
     stopped: bool = False  # the run was stopped (drained) before its end
@@ -142,45 +142,50 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
     n_ticks = options.n_ticks
     inputs = _load_inputs(options.input_wavs, options.sessions)
     plans, failures = plans_for(options, n_ticks, inputs)
-    traces0 = step_lib.TRACE_COUNT["tick"]
-    engine = Engine(params, cfg, serve, precision)
-    # Line-buffered: each tick's line reaches the file as it is recorded (by the writer thread).
-    with open(os.path.join(options.output_dir, "metrics.jsonl"), "w", buffering=1) as sink:
-        server = Server(
-            engine,
-            clock=options.clock,
-            loop=options.loop,
-            seed=options.seed,
-            warmup_ticks=options.warmup_ticks,
-            metrics_sink=sink,
-            max_backlog_beats=None if options.clock == "offline" else 4,
-            gc_policy=options.gc_policy,
-            output_dir=options.output_dir,
-            keep_outputs=False,
-            tokenizer=tokenizer,
-            stop_event=stop,
-        )
-        for sid, message in failures.items():
-            server.metrics.record_event("failed", session=sid, tick=None, message=message)
-        try:
-            server.run(plans, n_ticks)
-        finally:
-            summary = server.metrics.close()
-            failures.update(server.failures)
-            with open(os.path.join(options.output_dir, "sessions.json"), "w") as f:
-                json.dump(
-                    {"failures": failures, "ended": dict(server.ended), "stopped": server.stopping},
-                    f,
-                    indent=1,
-                    default=str,
-                )
+    compiles = step_lib.CompileCounter("tick")
+    with compiles:
+        engine = Engine(params, cfg, serve, precision)
+        # Line-buffered: each tick's line reaches the file as it is recorded (by the writer thread).
+        with open(os.path.join(options.output_dir, "metrics.jsonl"), "w", buffering=1) as sink:
+            server = Server(
+                engine,
+                clock=options.clock,
+                loop=options.loop,
+                seed=options.seed,
+                warmup_ticks=options.warmup_ticks,
+                metrics_sink=sink,
+                max_backlog_beats=None if options.clock == "offline" else 4,
+                gc_policy=options.gc_policy,
+                output_dir=options.output_dir,
+                keep_outputs=False,
+                tokenizer=tokenizer,
+                stop_event=stop,
+            )
+            for sid, message in failures.items():
+                server.metrics.record_event("failed", session=sid, tick=None, message=message)
+            try:
+                server.run(plans, n_ticks)
+            finally:
+                summary = server.metrics.close()
+                failures.update(server.failures)
+                with open(os.path.join(options.output_dir, "sessions.json"), "w") as f:
+                    json.dump(
+                        {
+                            "failures": failures,
+                            "ended": dict(server.ended),
+                            "stopped": server.stopping,
+                        },
+                        f,
+                        indent=1,
+                        default=str,
+                    )
     return RunResult(
         summary=summary,
         table=format_table(summary),
         outputs=dict(server.outputs),
         failures=failures,
         ended=dict(server.ended),
-        compiles=step_lib.TRACE_COUNT["tick"] - traces0,
+        compiles=compiles.count,
         failed=summary["failed_sessions"],
         refused=server.slots.refused,
         stopped=server.stopping,
