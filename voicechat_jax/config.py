@@ -10,6 +10,7 @@ model with every kind of layer present, used by the tests.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 # Special token ids of the Nemotron text tokenizer (model-spec §2): <s>, </s>, <SPECIAL_12>.
@@ -341,6 +342,44 @@ def tiny() -> ModelConfig:
 PRESETS = {"voicechat_11b": voicechat_11b, "tiny": tiny}
 
 
+class AtCap(enum.StrEnum):
+    """What happens to a session whose context reaches the cap."""
+
+    END = "end"  # the session ends with an event
+    ROLLOVER = "rollover"  # it rolls over to the system prompt alone and goes on
+
+
+class SpeechSampling(enum.StrEnum):
+    """The speech decoder's sampler."""
+
+    FAITHFUL = "faithful"  # NeMo's sampler (top-p component, Gaussian noise)
+    DETERMINISTIC = "deterministic"  # the most likely component, no noise
+
+
+class AttentionImpl(enum.StrEnum):
+    """Which implementation every decode-step attention runs (``model.attention.attend``)."""
+
+    XLA = "xla"  # jnp, the reference
+    CUDNN = "cudnn"  # jax.nn.dot_product_attention on cuDNN (bf16/fp16 caches only)
+    PALLAS = "pallas"  # pallas_kernels.decode_attention (split-K, skips unread rows)
+
+
+class SSMKernel(enum.StrEnum):
+    """The LLM's Mamba-2 decode update."""
+
+    XLA = "xla"  # jnp
+    PALLAS = "pallas"  # the in-place Pallas kernel
+
+
+def _choice(cls: type[enum.StrEnum], value, field: str):
+    """``value`` as a member of ``cls``, or a one-line error naming the choices."""
+    try:
+        return cls(value)
+    except ValueError:
+        names = "|".join(m.value for m in cls)
+        raise ValueError(f"{field} must be {names}: {value}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     """How a server runs the model: slots, beat, context cap, sampling and kernel choices.
@@ -352,11 +391,11 @@ class ServeConfig:
     slots: int = 4  # B: concurrent sessions the state is sized for
     frames_per_tick: int = 2  # model frames advanced per beat (2 = a 160 ms beat)
     context_frames: int = 1500  # per-slot cache cap (120 s at 80 ms)
-    at_cap: str = "end"  # 'end': the session ends with an event; 'rollover': re-seeded
-    speech_sampling: str = "faithful"  # 'faithful' (NeMo's sampler) | 'deterministic'
+    at_cap: AtCap = AtCap.END  # strings of the enum are accepted (and converted)
+    speech_sampling: SpeechSampling = SpeechSampling.FAITHFUL
     system_prompt: tuple[int, ...] = ()  # token ids prefilled as [BOS] + ids + [EOS], if any
-    attention: str = "xla"  # decode attention: 'xla' | 'cudnn' (bf16 KV only) | 'pallas'
-    ssm_kernel: str = "xla"  # LLM Mamba step update: 'xla' (jnp) | 'pallas' (in-place kernel)
+    attention: AttentionImpl = AttentionImpl.XLA  # decode attention ('cudnn': bf16 KV only)
+    ssm_kernel: SSMKernel = SSMKernel.XLA  # LLM Mamba step update
     deadline_ms: float | None = None  # default: the beat period
     capsule_tokens: int = 96  # U: room for a roll-over's conversation capsule (token ids)
 
@@ -365,19 +404,13 @@ class ServeConfig:
         _check(self.frames_per_tick >= 1, "frames_per_tick must be >= 1")
         _check(self.context_frames >= self.frames_per_tick, "context cap below one beat")
         _check(self.capsule_tokens >= 1, "capsule_tokens must be >= 1")
-        _check(self.at_cap in ("end", "rollover"), f"at_cap must be end|rollover: {self.at_cap}")
-        _check(
-            self.speech_sampling in ("faithful", "deterministic"),
-            f"speech_sampling must be faithful|deterministic: {self.speech_sampling}",
-        )
-        _check(
-            self.attention in ("xla", "cudnn", "pallas"),
-            f"attention must be xla|cudnn|pallas: {self.attention}",
-        )
-        _check(
-            self.ssm_kernel in ("xla", "pallas"),
-            f"ssm_kernel must be xla|pallas: {self.ssm_kernel}",
-        )
+        for field, cls in (
+            ("at_cap", AtCap),
+            ("speech_sampling", SpeechSampling),
+            ("attention", AttentionImpl),
+            ("ssm_kernel", SSMKernel),
+        ):
+            object.__setattr__(self, field, _choice(cls, getattr(self, field), field))
 
     @property
     def beat_ms(self) -> float:

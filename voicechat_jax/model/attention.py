@@ -37,22 +37,13 @@ beyond S) gets an output of zeros under every implementation. Returns [B, K, G, 
 
 from __future__ import annotations
 
-import enum
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import DecodeAttentionBlocks, decode_attention
+from voicechat_jax.config import AttentionImpl
 
 F32 = jnp.float32
-
-
-class AttentionImpl(enum.StrEnum):
-    """Which implementation ``attend`` runs (``ServeConfig.attention``)."""
-
-    XLA = "xla"
-    CUDNN = "cudnn"
-    PALLAS = "pallas"
 
 
 def _seen(lengths: jax.Array, S: int, window: int | None) -> jax.Array:
