@@ -6,10 +6,13 @@ Three pieces:
   ``frames_per_tick * (a + b*B + c*B*x)`` ms with ``x = context_cap / 1500`` (weights streamed
   once: ``a``; per-session state read and written: ``b``; per-session attention caches, which every
   frame-step reads whole: ``c``). ``fit_step_cost`` fits it with ``optax`` to measured ticks.
-- **Tail model** ``Tail``: per-tick jitter (a half-normal of scale ``sigma(B) = exp(u + v*B)``
-  added to the tick, so that ``p99 - p50`` of the serving rows is reproduced) and rare host stalls
-  (probability ``stall_prob`` per beat, one to two periods long), plus the host's own overhead per
-  beat (prepare, copy out), added to the latency but not to the device's time.
+- **Tail model** ``Tail``: per-tick jitter (with probability ``SPIKE_PROB`` a tick runs longer by
+  an exponential of scale ``s(B) = exp(u + v*B)``, so the median is untouched and
+  ``p99 - p50 = s(B) * ln(SPIKE_PROB / 0.01)`` matches the serving rows) and rare host stalls
+  (probability ``stall_prob`` per beat: the host wakes in the slot after next, so one beat is
+  skipped and the next starts up to 0.4 of a period late, as the real rows' skipped ticks and
+  maxima show), plus the host's own overhead per beat (prepare, copy out), added to the latency
+  but not to the device's time.
 - **Policies** simulated on that clock:
   ``simulate_lockstep`` mirrors ``Server._run_dispatch``: the real ``BeatClock`` (on a simulated
   time source) decides which tick runs next and skips the ticks whose slot has passed; a tick that
@@ -135,35 +138,42 @@ def leave_one_out(
 
 # ---- tail model -------------------------------------------------------------------------------
 
-_Z99_HALF = 2.5758  # half-normal: p99 - p50 = (2.5758 - 0.6745) * sigma
-_Z50_HALF = 0.6745
+SPIKE_PROB = 0.05  # share of ticks that get a spike; p50 is then the spike-free tick
+_P99_PER_SCALE = math.log(SPIKE_PROB / 0.01)  # p99 - p50 of the jitter, per unit of scale
+STALL_LATE_MAX = 0.4  # a stalled host wakes up to this share of a period into its slot
 
 
 @dataclasses.dataclass(frozen=True)
 class Tail:
     """Per-tick jitter, host stalls and the host's overhead per beat."""
 
-    log_sigma0: float = -math.inf  # sigma(B) = exp(log_sigma0 + log_sigma1 * B) ms
+    log_sigma0: float = -math.inf  # spike scale s(B) = exp(log_sigma0 + log_sigma1 * B) ms
     log_sigma1: float = 0.0
-    stall_prob: float = 0.0  # per beat: the host stalls 1-2 periods (a GC, the OS)
+    stall_prob: float = 0.0  # per beat: the host stalls past the next beat (a GC, the OS)
     host_ms: float = 0.0  # host work per beat, inside the latency, off the device
     sigma_batch_max: float = math.inf  # sigma(B) is held at sigma(this) beyond it (no data there)
 
     def sigma_ms(self, batch: float) -> float:
-        """Scale of the half-normal jitter added to a tick of ``batch`` slots."""
+        """Scale of the exponential spike added to a tick of ``batch`` slots."""
         return math.exp(self.log_sigma0 + self.log_sigma1 * min(batch, self.sigma_batch_max))
 
-    def median_jitter_ms(self, batch: float) -> float:
-        """The median of the added jitter (part of the p50)."""
-        return _Z50_HALF * self.sigma_ms(batch)
+    def p99_minus_p50_ms(self, batch: float) -> float:
+        """What the jitter alone adds between the median and the 99th percentile."""
+        return _P99_PER_SCALE * self.sigma_ms(batch)
+
+    def draw_ms(self, batch: float, rng: np.random.Generator) -> float:
+        """One tick's jitter: a spike with probability ``SPIKE_PROB``, else nothing."""
+        if self.log_sigma0 == -math.inf or rng.random() >= SPIKE_PROB:
+            return 0.0
+        return float(rng.exponential(self.sigma_ms(batch)))
 
 
 def fit_jitter(
     batches: Sequence[float], p99_minus_p50_ms: Sequence[float], steps: int = 3000
 ) -> tuple[float, float]:
-    """Fits ``log sigma(B) = u + v*B`` so the half-normal's p99 - p50 matches; returns (u, v)."""
+    """Fits ``log s(B) = u + v*B`` so that the jitter's p99 - p50 matches; returns (u, v)."""
     B = jnp.asarray(batches, jnp.float32)
-    target = jnp.log(jnp.asarray(p99_minus_p50_ms, jnp.float32) / (_Z99_HALF - _Z50_HALF))
+    target = jnp.log(jnp.asarray(p99_minus_p50_ms, jnp.float32) / _P99_PER_SCALE)
     scale = float(jnp.max(B))
 
     def loss(p):  # fitted in B / max(B) so that the two parameters have a like scale
@@ -303,9 +313,7 @@ def simulate_lockstep(
         if device_ms is not None:
             d = device_ms(k)
         else:
-            d = cost.tick_ms(batch, context_frac)
-            if tail.log_sigma0 > -math.inf:
-                d += abs(rng.normal()) * tail.sigma_ms(batch)
+            d = cost.tick_ms(batch, context_frac) + tail.draw_ms(batch, rng)
         start = max(now + host / 2, device_free)  # prepare on the host, then queued in order
         device_free = start + d
         busy += d
@@ -315,10 +323,10 @@ def simulate_lockstep(
         lat[k] = readable - timing.start * 1e3
         missed[k] = lat[k] > deadline_ms
         # The host is free again once the beat is dispatched; a stall delays its next wait.
-        stall = stall_at.get(k, 0.0)
+        free = now + host / 2 + stall_at.get(k, 0.0)
         if tail.stall_prob and rng.random() < tail.stall_prob:
-            stall += BEAT_MS * (1 + rng.random())
-        clock_time.t = (now + host / 2 + stall) / 1e3
+            free = max(free, (k + 2 + STALL_LATE_MAX * rng.random()) * BEAT_MS)
+        clock_time.t = free / 1e3
     span = n_beats * BEAT_MS
     return Result(lat, missed, served, busy, span, skipped=skipped, launches=launches)
 
@@ -362,15 +370,18 @@ def simulate_requests(
         if not queue:
             queue.append(i)
             i += 1
+        # The host decides a batch (and prepares it, host/2) so that it is ready as the device
+        # frees: the decision is at ``ready``, or later if the window or a full batch says so.
+        ready = device_free - host / 2
         if len(queue) >= max_batch:  # a full batch is already waiting
-            t = max(device_free, arrivals[queue[max_batch - 1]])
+            t = max(ready, arrivals[queue[max_batch - 1]])
         else:  # launch when the device is free and the oldest's window has passed, or when full
-            t = max(device_free, arrivals[queue[0]] + window_ms)
+            t = max(ready, arrivals[queue[0]] + window_ms)
             while i < n and arrivals[i] <= t:
                 queue.append(i)
                 i += 1
                 if len(queue) >= max_batch:
-                    t = max(device_free, arrivals[i - 1])
+                    t = max(ready, arrivals[i - 1])
                     break
         # Requests already past their deadline are dropped, as the clock drops a late beat.
         late = [r for r in queue if arrivals[r] + deadline_ms <= t + host / 2]
@@ -380,9 +391,7 @@ def simulate_requests(
             continue
         batch, queue = queue[:max_batch], queue[max_batch:]
         b = len(batch) if buckets is None else bucket_for(len(batch), buckets)
-        d = cost.tick_ms(b, context_frac)
-        if tail.log_sigma0 > -math.inf:
-            d += abs(rng.normal()) * tail.sigma_ms(b)
+        d = cost.tick_ms(b, context_frac) + tail.draw_ms(b, rng)
         start = max(t + host / 2, device_free)
         device_free = start + d
         busy += d
