@@ -37,7 +37,9 @@ flags.DEFINE_integer("validate_ticks", 200, "Steady ticks per validation run (as
 flags.DEFINE_integer("seeds", 5, "Seeds per validation and capacity run.")
 flags.DEFINE_integer("capacity_beats", 500, "Beats per capacity probe.")
 flags.DEFINE_integer("hour_beats", 22500, "Beats of Poisson traffic (22,500 = one hour).")
-flags.DEFINE_list("erlangs", ["20", "40", "60", "80", "100"], "Offered loads (mean live calls).")
+flags.DEFINE_list(
+    "erlangs", ["20", "40", "60", "80", "100"], "Arrival rate x --mean_call_s (before the cap)."
+)
 flags.DEFINE_float("mean_call_s", 60.0, "Mean call length (exponential), seconds.")
 flags.DEFINE_float("max_call_s", 120.0, "Calls end at the context cap (1,500 frames = 120 s).")
 flags.DEFINE_list("gpus", ["1", "2", "4", "8"], "Engine counts for the several-GPU sketch.")
@@ -206,9 +208,9 @@ def main(argv):
             emit({"kind": "gpus", "gpus": n_gpu, "router": router, "erlangs": e,
                   "offered": tr.offered, "refused": tr.refused,
                   "refused_frac": tr.refused / max(tr.offered, 1),
-                  "missed_session_beat_rate": float(np.average(
-                      [p["missed_session_beat_rate"] for p in per],
-                      weights=tr.live.sum(axis=1) + 1e-9)),
+                  "missed_session_beat_rate": float(sum(
+                      p["missed_session_beat_rate"] * w for p, w in
+                      zip(per, tr.live.sum(axis=1), strict=True) if w) / tr.live.sum()),
                   "p99_ms_worst_engine": max(p["p99_ms"] for p in per),
                   "held_gpu_s_per_conv_h": n_gpu * FLAGS.hour_beats * sim.BEAT_MS / 1e3 / conv_h,
                   "busy_gpu_s_per_conv_h": busy_s / conv_h})  # fmt: skip
