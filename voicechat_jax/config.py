@@ -352,7 +352,10 @@ class ServeConfig:
     slots: int = 4  # B: concurrent sessions the state is sized for
     frames_per_tick: int = 2  # model frames advanced per beat (2 = a 160 ms beat)
     context_frames: int = 1500  # per-slot cache cap (120 s at 80 ms)
-    at_cap: str = "end"  # 'end': the session ends with an event; 'rollover': re-seeded
+    # 'end': the session ends at the cap with an event; 'rollover': re-seeded (empty capsule) at the
+    # cap; 'reset' / 'memory': the host rolls sessions over before it (serving.memory), with an
+    # empty capsule / the conversation's capsule, and the device re-seeds at the cap as a fallback.
+    at_cap: str = "end"
     speech_sampling: str = "faithful"  # 'faithful' (NeMo's sampler) | 'deterministic'
     system_prompt: tuple[int, ...] = ()  # token ids prefilled as [BOS] + ids + [EOS], if any
     attention: str = "xla"  # decode attention: 'xla' | 'cudnn' (bf16 KV only) | 'pallas'
@@ -365,7 +368,10 @@ class ServeConfig:
         _check(self.frames_per_tick >= 1, "frames_per_tick must be >= 1")
         _check(self.context_frames >= self.frames_per_tick, "context cap below one beat")
         _check(self.capsule_tokens >= 1, "capsule_tokens must be >= 1")
-        _check(self.at_cap in ("end", "rollover"), f"at_cap must be end|rollover: {self.at_cap}")
+        _check(
+            self.at_cap in ("end", "rollover", "reset", "memory"),
+            f"at_cap must be end|rollover|reset|memory: {self.at_cap}",
+        )
         _check(
             self.speech_sampling in ("faithful", "deterministic"),
             f"speech_sampling must be faithful|deterministic: {self.speech_sampling}",
