@@ -191,7 +191,7 @@ def build_capsule(
         return np.zeros((0,), np.int32)
     if llm_tokenizer is None:
         pieces = [[BOS_ID, *t.ids, EOS_ID] for t in turns if t.role == AGENT and t.ids]
-        return np.asarray(sum(_fit(pieces, max_tokens), []), np.int32)
+        return np.asarray([i for piece in _fit(pieces, max_tokens) for i in piece], np.int32)
     pieces = []
     for t in turns:
         if t.role == AGENT:
@@ -206,7 +206,7 @@ def build_capsule(
     head = list(llm_tokenizer.encode(directive)) if directive else []
     if len(head) >= max_tokens:
         head = []  # no room for the directive and a turn: the turns matter more
-    body = sum(_fit(pieces, max_tokens - len(head)), [])
+    body = [i for piece in _fit(pieces, max_tokens - len(head)) for i in piece]
     return np.asarray((head + body) if body else [], np.int32)
 
 

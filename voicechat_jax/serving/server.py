@@ -280,8 +280,8 @@ class Server:
         )
         if self.rollover.host_rolls and serve.at_cap not in ("rollover", self.rollover.mode):
             raise ValueError(
-                f"rollover mode {self.rollover.mode!r} needs an engine whose at_cap re-seeds at the "
-                f"cap as a fallback (reset|memory|rollover), not {serve.at_cap!r}"
+                f"rollover mode {self.rollover.mode!r} needs an engine whose at_cap re-seeds at "
+                f"the cap as a fallback (reset|memory|rollover), not {serve.at_cap!r}"
             )
         if self.rollover.capsule_limit > serve.capsule_tokens:
             raise ValueError("the capsule limit is above the device's capsule room")
