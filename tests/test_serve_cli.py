@@ -214,7 +214,7 @@ BAD_FLAGS = [
     ("--sessions=0", "--sessions=0: must be >= 1"),
     ("--deadline_ms=500", "the deadline must be in (0, 160] ms"),
     ("--system_prompt=12,x", "token ids must be non-negative integers"),
-    ("--at_cap=wrap", "--at_cap=wrap: value should be one of <end|rollover>"),
+    ("--at_cap=wrap", "--at_cap=wrap: value should be one of <end|reset|memory|rollover>"),
     ("--model=nope", "--model=nope: must be a preset"),
     ("--no_such_flag=1", "Unknown command line flag 'no_such_flag'"),
     ("--output_dir=FILE", "exists and is not a directory"),

@@ -958,6 +958,7 @@ def test_beat_pool_reuses_and_bounds_buffers():
             ran=np.ones(2, bool),
             active=np.ones(2, bool),
             at_cap=np.zeros(2, bool),
+            reseeded=np.zeros(2, bool),
             frame=np.full(2, value, np.int32),
         )
 

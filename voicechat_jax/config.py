@@ -343,10 +343,12 @@ PRESETS = {"voicechat_11b": voicechat_11b, "tiny": tiny}
 
 
 class AtCap(enum.StrEnum):
-    """What happens to a session whose context reaches the cap."""
+    """What happens to a session whose context reaches the cap (``serving.memory``)."""
 
     END = "end"  # the session ends with an event
-    ROLLOVER = "rollover"  # it rolls over to the system prompt alone and goes on
+    ROLLOVER = "rollover"  # the device rolls it over at the cap (empty capsule) and it goes on
+    RESET = "reset"  # the host rolls it over before the cap, at a pause, with an empty capsule
+    MEMORY = "memory"  # the same, with a capsule of the conversation; the cap as a fallback
 
 
 class SpeechSampling(enum.StrEnum):

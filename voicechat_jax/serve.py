@@ -47,8 +47,11 @@ flags.DEFINE_integer("context_frames", 1500, "Per-session context cap in frames 
 flags.DEFINE_enum(
     "at_cap",
     "end",
-    ["end", "rollover"],
-    "At the context cap a session ends (with an event) or rolls over (context reset, re-seeded).",
+    ["end", "reset", "memory", "rollover"],
+    "What a session does at its context cap: end (with an event); reset or memory: roll over "
+    "between a soft and a hard threshold (1125/1375 frames, scaled to a smaller cap), at a pause "
+    "or at the hard one, to the system prompt alone (reset) or plus a capsule of the recent turns "
+    "(memory); rollover: only at the cap, to the system prompt alone (the device's fallback).",
 )
 flags.DEFINE_list(
     "system_prompt", [], "System prompt as LLM token ids, comma-separated (prefilled once)."

@@ -175,7 +175,7 @@ def tick(
     at_cap = active & ~has_room(model, fpt)
     reseeded = active & beat.reseed
     capsule_len = jnp.where(reseeded, beat.capsule_len, 0)
-    if serve.at_cap == "rollover":
+    if serve.at_cap != "end":  # 'rollover', and the host-driven 'reset' / 'memory' as a fallback
         # A session at the cap that the host did not roll over itself goes on from the system
         # prompt alone; it keeps its key, its streams and its audio.
         reseeded = reseeded | at_cap

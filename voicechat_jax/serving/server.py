@@ -45,6 +45,13 @@ from voicechat_jax.engine import Engine
 from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving.clock import OFFLINE, BeatClock, TickTiming
 from voicechat_jax.serving.gc_policy import GcMonitor, GcPolicy
+from voicechat_jax.serving.memory import (
+    ConversationMemory,
+    MemoryConfig,
+    RolloverPolicy,
+    TextTokenizer,
+    build_capsule,
+)
 from voicechat_jax.serving.metrics import Cause, HostTimeline, MetricsRecorder
 from voicechat_jax.serving.sessions import (
     CapacityError,
@@ -101,6 +108,8 @@ class _Snapshot:
 
     live: list  # [B] session id or None
     underruns: list
+    memories: list | None = None  # [B] each live slot's ConversationMemory (roll-over modes)
+    rollovers: dict | None = None  # slot -> the roll-over the host asked for this beat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +186,17 @@ class Server:
       max_inflight: dispatch loop, real-time clock: a tick that comes due while this many earlier
         beats are still on the device is skipped (a device-caused miss) rather than queued, so
         that a device slower than the beat cannot make the latency grow without bound.
+      rollover: when sessions roll over (``memory.RolloverPolicy``); default: the engine's
+        ``ServeConfig.at_cap`` with the default thresholds scaled to its context cap. In the
+        ``reset`` and ``memory`` modes the host rolls sessions over (``prepare``), each with a
+        ``ConversationMemory`` fed by the writer thread; every roll-over (the host's or the
+        device's fallback at the cap) is a ``rollover`` event in the metrics and marks the
+        session's ``frames.jsonl``.
+      memory: how the conversation memory splits and bounds turns.
+      llm_tokenizer: the LLM's text tokenizer (encode and decode), for a capsule in text with
+        ``User:`` / ``Agent:`` turns and the directive; None: the agent's raw ids only.
+      asr_decode: the RNNT head's ids -> text, so the caller's turns can enter the capsule
+        (re-tokenized by ``llm_tokenizer``); None: the caller's turns are left out.
 
     Threads, and what each one owns (every other field is set in ``__init__`` and then only read):
 
@@ -218,6 +238,10 @@ class Server:
         metrics_window: int = 1 << 16,
         max_inflight: int = 2,
         stop_event: threading.Event | None = None,
+        rollover: RolloverPolicy | None = None,
+        memory: MemoryConfig | None = None,
+        llm_tokenizer: TextTokenizer | None = None,
+        asr_decode: Callable[[Sequence[int]], str] | None = None,
     ):
         if loop not in LOOPS:
             raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
@@ -248,6 +272,23 @@ class Server:
         self.vanish_beats = vanish_beats
         self.max_inflight = max_inflight
         self.pool = BeatPool()
+        self.rollover = rollover or RolloverPolicy.for_cap(
+            serve.at_cap,
+            serve.context_frames,
+            serve.frames_per_tick,
+            capsule_tokens=serve.capsule_tokens,
+        )
+        if self.rollover.host_rolls and serve.at_cap not in ("rollover", self.rollover.mode):
+            raise ValueError(
+                f"rollover mode {self.rollover.mode!r} needs an engine whose at_cap re-seeds at "
+                f"the cap as a fallback (reset|memory|rollover), not {serve.at_cap!r}"
+            )
+        if self.rollover.capsule_limit > serve.capsule_tokens:
+            raise ValueError("the capsule limit is above the device's capsule room")
+        self.memory_config = memory or MemoryConfig()
+        self.llm_tokenizer = llm_tokenizer
+        self.asr_decode = asr_decode
+        self.rollovers = 0  # roll-overs the host asked for (beat thread)
         self._stop = stop_event or threading.Event()
         self._error: BaseException | None = None
         # Beat thread.
@@ -262,6 +303,8 @@ class Server:
         self._last: int | None = None
         self._snapshot: _Snapshot | None = None
         self._inflight: dict[int, tuple] = {}  # resident: device iteration -> the beat's stamps
+        self._context: dict[Hashable, int] = {}  # LLM context frames after the beat prepared last
+        self._memories: dict[Hashable, ConversationMemory] = {}
         self._n_ticks = 0
         # Writer thread.
         self.logs = _Retained(max_ended)  # session -> SessionOutput (keep_outputs)
@@ -299,6 +342,8 @@ class Server:
             "late_buffer": len(self._late_buffer),
             "silent": len(self._silent),
             "inflight": len(self._inflight),
+            "context": len(self._context),
+            "memories": len(self._memories),
             "sinks": len(self._sinks),
             "capped": len(self._capped),
             "pool_allocated": self.pool.allocated,
@@ -338,6 +383,8 @@ class Server:
         self._live.pop(sid, None)
         self._late_buffer.pop(sid, None)
         self._silent.pop(sid, None)
+        self._context.pop(sid, None)
+        self._memories.pop(sid, None)
         if why == "failed":
             self.failed_sessions += 1
             self._send(_Event({"event": "failed", "session": sid, "tick": tick, "message": detail}))
@@ -385,6 +432,9 @@ class Server:
             release[slot] = False
             keys[slot] = session_key(self.seed, plan.id)
             self._live[plan.id] = (plan, k)
+            self._context[plan.id] = 0
+            if self.rollover.host_rolls:
+                self._memories[plan.id] = ConversationMemory(self.memory_config)
             self._send(_Opened(plan.id))
         for event in self.slots.drain_events():
             self._send(_Event(event))
@@ -411,8 +461,49 @@ class Server:
             if self.vanish_beats is not None and self._silent[sid] >= self.vanish_beats:
                 # Fail it now; the next beat's membership step releases it.
                 self.queues.fail(sid, f"client vanished: no audio for {self._silent[sid]} beats")
-        self._snapshot = _Snapshot(live, [live[b] for b in range(B) if underrun[b]])
-        return self.engine.empty_beat().replace(audio=audio, admit=admit, release=release, key=keys)
+        beat = self.engine.empty_beat().replace(audio=audio, admit=admit, release=release, key=keys)
+        rollovers = self._roll_over(k, live, beat)
+        memories = [None if sid is None else self._memories.get(sid) for sid in live]
+        self._snapshot = _Snapshot(
+            live, [live[b] for b in range(B) if underrun[b]], memories, rollovers
+        )
+        return beat
+
+    def _roll_over(self, k: int, live: list, beat: state_lib.BeatInput) -> dict[int, dict]:
+        """Sets ``beat``'s roll-overs (reseed, capsule) by the policy; counts each live
+        session's LLM context frames through this beat. Returns slot -> the roll-over's fields.
+
+        The count is the device's own: every live slot runs every beat it is in (the server
+        holds none), ``fpt`` frames, and a re-seeded one starts again from its capsule.
+        """
+        fpt = self.engine.serve.frames_per_tick
+        policy = self.rollover
+        rolled: dict[int, dict] = {}
+        for b, sid in enumerate(live):
+            if sid is None:
+                continue
+            context = self._context.get(sid, 0)
+            memory = self._memories.get(sid)
+            silent = 0 if memory is None else memory.silent_frames()
+            reason = policy.decide(context, silent)
+            if reason is not None:
+                capsule = np.zeros((0,), np.int32)
+                if policy.capsule_limit and memory is not None:
+                    capsule = build_capsule(
+                        memory.turns(),
+                        policy.capsule_limit,
+                        llm_tokenizer=self.llm_tokenizer,
+                        asr_decode=self.asr_decode,
+                    )
+                n = capsule.shape[0]
+                beat.reseed[b] = True
+                beat.capsule[b, :n] = capsule
+                beat.capsule_len[b] = n
+                rolled[b] = {"reason": reason, "context": context, "capsule_len": n}
+                self.rollovers += 1
+                context = n
+            self._context[sid] = context + fpt
+        return rolled
 
     def _wait_for(self, k: int, last: int | None) -> TickTiming:
         """Collects garbage in the slack before tick k if there is any, then waits for k.
@@ -532,13 +623,26 @@ class Server:
             pcm = to_pcm16(beat.wav, out=self._pcm)
         cap_ends = self.engine.serve.at_cap == "end"
         live = msg.snapshot.live
+        memories = msg.snapshot.memories
+        asked = msg.snapshot.rollovers or {}
         for b, sid in enumerate(live):
             if sid is None:
                 continue
+            rollover = None
+            if beat.reseeded[b]:
+                # The host's roll-over, or the device's at the cap (``at_cap='rollover'``).
+                rollover = asked.get(b, {"reason": "cap", "capsule_len": 0})
+                self.metrics.record_event(
+                    "rollover", session=sid, tick=msg.tick, frame=int(beat.frame[b]), **rollover
+                )
+                logging.info("session %s rolled over at tick %d: %s", sid, msg.tick, rollover)
             if beat.ran[b]:
                 sink = self._sinks.get(sid)
                 if sink is not None:
-                    sink.append(beat, b, None if pcm is None else pcm[b])
+                    sink.append(beat, b, None if pcm is None else pcm[b], rollover)
+                memory = None if memories is None else memories[b]
+                if memory is not None:
+                    memory.observe(beat.text[b], beat.transcript[b], beat.n_transcript[b])
             elif beat.at_cap[b] and cap_ends and sid not in self._capped:
                 self._capped.add(sid)
                 self._cap_reached.put(sid)

@@ -21,6 +21,7 @@ No JAX here: this module runs in the writer thread and in the device loop's ``io
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import queue
 import wave
@@ -61,6 +62,7 @@ class HostBeat:
     ran: np.ndarray  # [B] bool
     active: np.ndarray  # [B] bool
     at_cap: np.ndarray  # [B] bool
+    reseeded: np.ndarray  # [B] bool: the session rolled over to a fresh context this beat
     frame: np.ndarray  # [B] int32
 
     @staticmethod
@@ -76,6 +78,7 @@ class HostBeat:
             "ran": out.ran,
             "active": out.active,
             "at_cap": out.at_cap,
+            "reseeded": out.reseeded,
             "frame": out.frame,
         }
 
@@ -259,8 +262,13 @@ def frame_lines(
     codes: np.ndarray,
     transcript: np.ndarray | None = None,
     n_transcript: np.ndarray | None = None,
+    rollover: dict | None = None,
 ) -> str:
-    """``frames.jsonl`` lines for T frames numbered from ``first`` (``json.dumps``'s layout)."""
+    """``frames.jsonl`` lines for T frames numbered from ``first`` (``json.dumps``'s layout).
+
+    ``rollover``: the session rolled over before these frames; the first line gets a
+    ``"rollover"`` key with these fields.
+    """
     lines = []
     codes_l = codes.tolist()
     for t in range(text.shape[0]):
@@ -268,7 +276,9 @@ def frame_lines(
         lines.append(
             f'{{"frame": {first + t}, "text": {int(text[t])}, "function": {int(function[t])}, '
             f'"codes": [{", ".join(map(str, codes_l[t]))}], '
-            f'"transcript": [{", ".join(map(str, ids))}]}}\n'
+            f'"transcript": [{", ".join(map(str, ids))}]'
+            + ("" if rollover is None or t else f', "rollover": {json.dumps(rollover)}')
+            + "}\n"
         )
     return "".join(lines)
 
@@ -344,8 +354,11 @@ class SessionSink:
         self.files = files
         self.frames = 0
 
-    def append(self, beat: HostBeat, b: int, pcm: np.ndarray | None) -> None:
-        """Slot ``b`` of ``beat`` (``pcm``: that slot's PCM16 row, needed with files)."""
+    def append(
+        self, beat: HostBeat, b: int, pcm: np.ndarray | None, rollover: dict | None = None
+    ) -> None:
+        """Slot ``b`` of ``beat`` (``pcm``: that slot's PCM16 row, needed with files;
+        ``rollover``: the session rolled over in this beat, marked in ``frames.jsonl``)."""
         transcript, n_transcript = beat.transcript[b], beat.n_transcript[b]
         if self.output is not None:
             self.output.append(
@@ -358,7 +371,13 @@ class SessionSink:
             )
         if self.files is not None:
             lines = frame_lines(
-                self.frames, beat.text[b], beat.function[b], beat.codes[b], transcript, n_transcript
+                self.frames,
+                beat.text[b],
+                beat.function[b],
+                beat.codes[b],
+                transcript,
+                n_transcript,
+                rollover,
             )
             self.files.append(lines, pcm, beat.text[b])
         self.frames += beat.frames_per_beat

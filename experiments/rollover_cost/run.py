@@ -1,0 +1,116 @@
+"""What a roll-over costs the beat: beat time with and without sessions re-seeded in it.
+
+Every slot is live (noise audio); after warm-up, beats alternate between plain beats and beats in
+which ``--rolled`` slots roll over (``step.reseed`` with a full capsule of U ids). Each beat is
+timed from dispatch to its output ready (``block_until_ready``). Prints one row per (sessions,
+rolled): p50 / p99 beat time of the plain and the roll-over beats and the p50 extra; writes the
+rows as JSON lines to ``--out``.
+
+  python3 experiments/rollover_cost/run.py --model=voicechat_11b --sessions=16,56 --out=rows.jsonl
+  python3 experiments/rollover_cost/run.py --model=tiny --sessions=2 --beats=6   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from voicechat_jax import config as config_lib
+from voicechat_jax.engine import Engine
+from voicechat_jax.model import voicechat
+from voicechat_jax.precision import Precision
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "tiny", "Preset: tiny | voicechat_11b (random weights).")
+flags.DEFINE_list("sessions", ["16", "56"], "Session counts (slots = sessions).")
+flags.DEFINE_list("rolled", ["1", "4"], "Slots rolled over in one roll-over beat.")
+flags.DEFINE_integer("beats", 40, "Measured beats per row (half of them roll-over beats).")
+flags.DEFINE_integer("warmup", 5, "Beats before measuring.")
+flags.DEFINE_integer("context_frames", 1500, "Context cap in frames.")
+flags.DEFINE_integer("capsule_tokens", 96, "U: capsule room (each roll-over uses all of it).")
+flags.DEFINE_enum("precision", "reference", ["reference", "fp32"], "Dtype policy.")
+flags.DEFINE_string("out", None, "JSON-lines output file.")
+
+
+def _ms(x: list[float], q: float) -> float:
+    return round(1000.0 * float(np.percentile(x, q)), 3)
+
+
+def measure(params, cfg, precision, sessions: int, rolled: int) -> dict:
+    serve = config_lib.ServeConfig(
+        slots=sessions,
+        frames_per_tick=2,
+        context_frames=FLAGS.context_frames,
+        capsule_tokens=FLAGS.capsule_tokens,
+        at_cap="memory",
+    )
+    engine = Engine(params, cfg, serve, precision)
+    engine.compile_tick()
+    rng = np.random.default_rng(0)
+    rolled = min(rolled, sessions)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    # Beat k+1 re-seeds the slots after those beat k did, so no slot's context runs out.
+    for k in range(FLAGS.warmup + FLAGS.beats):
+        beat = engine.empty_beat()
+        beat.audio[:] = 0.1 * rng.standard_normal(beat.audio.shape)
+        if k == 0:
+            beat.admit[:] = True
+            beat.key[:] = np.arange(2 * sessions, dtype=np.uint32).reshape(sessions, 2)
+        roll = k >= FLAGS.warmup and k % 2 == 1
+        if roll or (k < FLAGS.warmup and k % 2 == 1):  # warm-up compiles nothing, runs both
+            for j in range(rolled):
+                b = (k * rolled + j) % sessions
+                beat.reseed[b] = True
+                beat.capsule[b] = rng.integers(3, cfg.llm.vocab_size, FLAGS.capsule_tokens)
+                beat.capsule_len[b] = FLAGS.capsule_tokens
+        t = time.perf_counter()
+        jax.block_until_ready(engine.tick(beat))
+        if k >= FLAGS.warmup:
+            times[roll].append(time.perf_counter() - t)
+    plain, roll = times[False], times[True]
+    return {
+        "model": FLAGS.model,
+        "sessions": sessions,
+        "rolled": rolled,
+        "capsule_tokens": FLAGS.capsule_tokens,
+        "device": str(jax.devices()[0]),
+        "plain_p50_ms": _ms(plain, 50),
+        "plain_p99_ms": _ms(plain, 99),
+        "rollover_p50_ms": _ms(roll, 50),
+        "rollover_p99_ms": _ms(roll, 99),
+        "extra_p50_ms": round(_ms(roll, 50) - _ms(plain, 50), 3),
+        "beats": len(plain) + len(roll),
+    }
+
+
+def main(argv) -> None:
+    del argv
+    cfg = config_lib.PRESETS[FLAGS.model]()
+    precision = Precision.fp32() if FLAGS.precision == "fp32" else Precision.reference()
+    params = voicechat.init(jax.random.key(0), cfg, precision)
+    rows = []
+    for s in FLAGS.sessions:
+        for r in FLAGS.rolled:
+            rows.append(measure(params, cfg, precision, int(s), int(r)))
+            if FLAGS.out:
+                with open(FLAGS.out, "a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
+    head = (
+        "sessions",
+        "rolled",
+        "plain_p50_ms",
+        "rollover_p50_ms",
+        "extra_p50_ms",
+        "rollover_p99_ms",
+    )
+    print(" ".join(f"{h:>16}" for h in head))
+    for row in rows:
+        print(" ".join(f"{row[h]:>16}" for h in head))
+
+
+if __name__ == "__main__":
+    app.run(main)
