@@ -14,6 +14,7 @@ leaves' placement and whether they equal a one-device restore.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -40,7 +41,8 @@ FIELDS = ("text", "function", "codes", "wav")
 
 # The scripted beats of the engine-level check: beat -> (slots admitted, slots released).
 # Sessions join on every device; slot 1 (device 0) and slot 6 (device 3) are released and taken
-# again; slot 4 (device 2) joins late.
+# again; slot 4 (device 2) joins late. Slot 7 (device 3) rolls over with a capsule at beat
+# RESEED[0]; slot 3 (device 1) is held (``run`` off) at beat HOLD[0].
 SCRIPT = {
     0: ((0, 3, 7), ()),
     1: ((6,), ()),
@@ -49,6 +51,8 @@ SCRIPT = {
     4: ((), (1,)),
     5: ((1, 6), ()),
 }
+RESEED = (4, 7, (5, 6, 7))  # beat, slot, capsule token ids
+HOLD = (6, 3)  # beat, slot
 BEATS = 8
 
 # The server-level check: lowest-free-slot admission over the 2-per-device layout puts these on
@@ -84,7 +88,14 @@ def _beats(engine: Engine) -> list:
         admit, release = SCRIPT.get(k, ((), ()))
         b.admit[list(admit)] = True
         b.release[list(release)] = True
-        b.key[:] = (np.arange(2 * SLOTS, dtype=np.uint32).reshape(SLOTS, 2) + 1000 * k + 1)
+        b.key[:] = np.arange(2 * SLOTS, dtype=np.uint32).reshape(SLOTS, 2) + 1000 * k + 1
+        if k == RESEED[0]:
+            slot, capsule = RESEED[1], RESEED[2]
+            b.reseed[slot] = True
+            b.capsule[slot, : len(capsule)] = capsule
+            b.capsule_len[slot] = len(capsule)
+        if k == HOLD[0]:
+            b.run[HOLD[1]] = False
         beats.append(b)
     return beats
 
@@ -118,6 +129,10 @@ def engine_checks(out_dir: str) -> None:
     params = jax.jit(lambda k: voicechat.init(k, CFG, PREC))(jax.random.key(0))
     one = Engine(params, CFG, SERVE, PREC)
     one.compile_tick()
+    local = Engine(
+        params, CFG, dataclasses.replace(SERVE, slots=SLOTS // DEVICES), PREC, template=one.template
+    )
+    local.compile_tick()
     traces_before = step_lib.TRACE_COUNT["tick"]
     sharded = Engine(params, CFG, SERVE, PREC, template=one.template, mesh=mesh)
     compiled = sharded.compile_tick()
@@ -153,11 +168,22 @@ def engine_checks(out_dir: str) -> None:
         for name in FIELDS:
             arrays[f"beat{k}/one/{name}"] = np.asarray(getattr(o1.frames, name))
             arrays[f"beat{k}/mesh/{name}"] = np.asarray(getattr(om.frames, name))
-        for name in ("ran", "active", "frame"):
+        for name in ("ran", "active", "frame", "reseeded"):
             arrays[f"beat{k}/one/{name}"] = np.asarray(getattr(o1, name))
             arrays[f"beat{k}/mesh/{name}"] = np.asarray(getattr(om, name))
     result["state_specs"] = specs
     result["donated"] = donated
+
+    # Each device's rows against one device stepping only those slots (the same batch size).
+    for d in range(DEVICES):
+        rows = slice(d * SLOTS // DEVICES, (d + 1) * SLOTS // DEVICES)
+        local.reset()
+        for k, b in enumerate(_beats(one)):
+            lb = jax.tree_util.tree_map(lambda x, r=rows: x[r], b)
+            o = jax.device_get(local.tick(lb))
+            for name in FIELDS:
+                arrays[f"beat{k}/local{d}/{name}"] = np.asarray(getattr(o.frames, name))
+            arrays[f"beat{k}/local{d}/ran"] = np.asarray(o.ran)
 
     # Server level: admission by the host's slot table, churn across devices.
     samples = SERVER_TICKS * one.samples_per_beat

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from voicechat_jax import state as state_lib
@@ -50,9 +50,10 @@ COLLECTIVES = (
     "collective-broadcast",
     "reduce-scatter",
 )
-# An instruction's opcode follows the result shape: `%x = f32[2]{0} all-reduce(...)`; the async
-# forms are `all-reduce-start` / `-done`, counted once by their `-start`.
-_OPCODE = re.compile(r"=\s*\S+\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+# An opcode is a whole word right before its operand list (`%x = f32[2]{0} all-reduce(...)`),
+# never part of an instruction's name (`%all-reduce.3`, `%fusion.all-gather-like`); the async
+# forms `all-reduce-start` / `-done` are counted once, by their `-start`.
+_OPCODE = re.compile(r"(?<![\w.%-])(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 
 
 def make_mesh(devices: int | Sequence[jax.Device] | None = None) -> Mesh:
@@ -76,10 +77,8 @@ def shard_map(f: Callable, *, mesh: Mesh, in_specs, out_specs) -> Callable:
     tick is split over ``data``.
     """
     if hasattr(jax, "shard_map"):
-        return jax.shard_map(
-            f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-        )
-    from jax.experimental.shard_map import shard_map as legacy  # noqa: PLC0415
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map as legacy
 
     return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
@@ -94,7 +93,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def check_slots(slots: int, mesh: Mesh) -> int:
+def check_slots(slots: int, mesh: Mesh | AbstractMesh) -> int:
     """Slots per device; raises ``ValueError`` unless ``slots`` splits evenly over the mesh."""
     n = mesh.shape[DATA]
     if slots % n:
@@ -122,7 +121,7 @@ def state_from_template(
 
 @functools.cache
 def _state_builder(slots: int, mesh: Mesh) -> Callable:
-    """The jitted, slot-sharded ``from_template`` (one per slot count and mesh: ``reset`` reuses it)."""
+    """The jitted, slot-sharded ``from_template`` of a slot count and mesh (``reset`` reuses it)."""
     return jax.jit(
         functools.partial(state_lib.from_template, slots=slots), out_shardings=slot_sharding(mesh)
     )
