@@ -6,18 +6,19 @@ block of ``B / n`` slots per device, and the weights and the fresh-session templ
 The tick is wrapped in ``jax.shard_map``: each device runs ``step.tick`` on its own slots, exactly
 the program one device runs on ``B / n`` slots (admission, ``step.insert``, is a masked in-place
 write over the local slots, so a session joins on whichever device holds its slot). Compiled with
-GSPMD instead (the state merely annotated), the tiny tick got about 20 collectives from the KV
-scatters, the cond/uncond concatenate, the top-p scatter and the mel FFT; under ``shard_map`` it
-gets none, and ``collectives`` counts them in the compiled HLO to keep it so.
+GSPMD instead (the state merely annotated), the tiny tick gets dozens of collectives (58 over 4
+CPU devices: the KV scatters, the cond/uncond concatenate, the top-p scatter, the mel FFT, ...);
+under ``shard_map`` it gets none, and ``collectives`` counts them in the compiled HLO to keep it
+so.
 
 Placement is explicit: params and template with ``replicated``, the state built sharded where it
 lies (``state_from_template``; never a replicated full copy first), and each beat put with
 ``slot_sharding`` before its dispatch. The jitted tick names the same shardings as its
 ``in_shardings``, so an argument placed otherwise is an error, not a silent transfer.
 
-The mesh loop is the dispatch loop (``Engine.tick``): the resident loop's ``io_callback``s run on
-one device, so on a mesh every beat's input and output would funnel through device 0 (see
-``experiments/mesh/README.md`` for what was measured).
+The mesh loop is the dispatch loop (``Engine.tick``): the resident loop's ``io_callback``s get a
+maximal sharding on device 0, so on a mesh every output leaf is all-gathered to device 0 and every
+beat broadcast from it, each beat (``experiments/mesh/README.md`` has what was measured).
 """
 
 from __future__ import annotations
