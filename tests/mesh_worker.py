@@ -122,19 +122,8 @@ def _collective_probe(mesh) -> dict[str, int]:
     return mesh_lib.collectives(f.lower(jnp.zeros((DEVICES,), jnp.float32)).compile().as_text())
 
 
-def engine_checks(out_dir: str) -> None:
-    result: dict = {"devices": len(jax.devices()), "jax": jax.__version__}
-    arrays: dict[str, np.ndarray] = {}
-    mesh = mesh_lib.make_mesh(DEVICES)
-    params = jax.jit(lambda k: voicechat.init(k, CFG, PREC))(jax.random.key(0))
-    one = Engine(params, CFG, SERVE, PREC)
-    one.compile_tick()
-    local = Engine(
-        params, CFG, dataclasses.replace(SERVE, slots=SLOTS // DEVICES), PREC, template=one.template
-    )
-    local.compile_tick()
-    traces_before = step_lib.TRACE_COUNT["tick"]
-    sharded = Engine(params, CFG, SERVE, PREC, template=one.template, mesh=mesh)
+def _placement(sharded: Engine, mesh, result: dict) -> None:
+    """The compiled mesh tick's collectives and aliasing, and where params and state lie."""
     compiled = sharded.compile_tick()
     result["collectives"] = mesh_lib.collectives(compiled.as_text())
     result["probe_collectives"] = _collective_probe(mesh)
@@ -146,14 +135,13 @@ def engine_checks(out_dir: str) -> None:
         for s in x.addressable_shards
         if s.device == mesh.devices.flat[0]
     )
-    result["params_specs"] = sorted(
-        {repr(x.sharding.spec) for x in jax.tree_util.tree_leaves(sharded.params)}
-    )
-    result["params_devices"] = sorted(
-        {len(x.sharding.device_set) for x in jax.tree_util.tree_leaves(sharded.params)}
-    )
+    params = jax.tree_util.tree_leaves(sharded.params)
+    result["params_specs"] = sorted({repr(x.sharding.spec) for x in params})
+    result["params_devices"] = sorted({len(x.sharding.device_set) for x in params})
 
-    # Engine level: the same NumPy beats into both engines.
+
+def _scripted(one: Engine, sharded: Engine, mesh, result: dict, arrays: dict) -> None:
+    """The same NumPy beats into both engines; the mesh state's placement after each."""
     specs, donated = [], []
     for k, (b1, bm) in enumerate(zip(_beats(one), _beats(sharded), strict=True)):
         o1 = jax.device_get(one.tick(b1))
@@ -174,18 +162,21 @@ def engine_checks(out_dir: str) -> None:
     result["state_specs"] = specs
     result["donated"] = donated
 
-    # Each device's rows against one device stepping only those slots (the same batch size).
+
+def _per_device(one: Engine, local: Engine, arrays: dict) -> None:
+    """Each device's rows of the script, stepped by one device holding only those slots."""
     for d in range(DEVICES):
         rows = slice(d * SLOTS // DEVICES, (d + 1) * SLOTS // DEVICES)
         local.reset()
         for k, b in enumerate(_beats(one)):
-            lb = jax.tree_util.tree_map(lambda x, r=rows: x[r], b)
-            o = jax.device_get(local.tick(lb))
+            o = jax.device_get(local.tick(jax.tree_util.tree_map(lambda x, r=rows: x[r], b)))
             for name in FIELDS:
                 arrays[f"beat{k}/local{d}/{name}"] = np.asarray(getattr(o.frames, name))
             arrays[f"beat{k}/local{d}/ran"] = np.asarray(o.ran)
 
-    # Server level: admission by the host's slot table, churn across devices.
+
+def _served(one: Engine, sharded: Engine, result: dict, arrays: dict) -> None:
+    """Server level: admission by the host's slot table, churn across devices."""
     samples = SERVER_TICKS * one.samples_per_beat
     plans = [
         SessionPlan(id=sid, audio=_speech(samples, i), join=join, leave=leave)
@@ -203,14 +194,31 @@ def engine_checks(out_dir: str) -> None:
         for name in FIELDS:
             for which in ("one", "mesh"):
                 arrays[f"session/{sid}/{which}/{name}"] = np.asarray(logs[which][sid][name])
-    result["traces"] = step_lib.TRACE_COUNT["tick"] - traces_before
 
+
+def engine_checks(out_dir: str) -> None:
+    result: dict = {"devices": len(jax.devices()), "jax": jax.__version__}
+    arrays: dict[str, np.ndarray] = {}
+    mesh = mesh_lib.make_mesh(DEVICES)
+    params = jax.jit(lambda k: voicechat.init(k, CFG, PREC))(jax.random.key(0))
+    one = Engine(params, CFG, SERVE, PREC)
+    one.compile_tick()
+    local = Engine(
+        params, CFG, dataclasses.replace(SERVE, slots=SLOTS // DEVICES), PREC, template=one.template
+    )
+    local.compile_tick()
+    with step_lib.CompileCounter("tick") as compiles:  # the one-device ticks are compiled
+        sharded = Engine(params, CFG, SERVE, PREC, template=one.template, mesh=mesh)
+        _placement(sharded, mesh, result)
+        _scripted(one, sharded, mesh, result, arrays)
+        _per_device(one, local, arrays)
+        _served(one, sharded, result, arrays)
+    result["compiles"] = compiles.count
     try:
         sharded.compile_resident(lambda k: None, lambda k, out: None)
         result["resident_refused"] = None
     except ValueError as e:
         result["resident_refused"] = str(e)
-
     with open(os.path.join(out_dir, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
     np.savez(os.path.join(out_dir, "arrays.npz"), **arrays)

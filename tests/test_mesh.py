@@ -120,9 +120,9 @@ def test_state_stays_sharded_and_donated(worker):
 
 
 def test_one_compile(worker):
-    """One trace of the mesh tick for all the engine's beats and two server runs."""
+    """One compilation of the mesh tick for all the engine's beats and two server runs."""
     result, _ = worker
-    assert result["traces"] == 1
+    assert result["compiles"] == 1
 
 
 def test_server_churn_across_devices_equals_one_device(worker):

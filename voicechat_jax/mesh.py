@@ -137,14 +137,14 @@ def make_tick(cfg: ModelConfig, serve: ServeConfig, precision: Precision, mesh: 
     """
     check_slots(serve.slots, mesh)
 
-    def local(params, state, template, beat):
+    def tick(params, state, template, beat):  # the name step.CompileCounter("tick") counts
         with precision.scope():
             return step_lib.tick(
                 params, state, template, beat, cfg=cfg, serve=serve, precision=precision
             )
 
     per_device = shard_map(
-        local,
+        tick,
         mesh=mesh,
         in_specs=(P(), P(DATA), P(), P(DATA)),
         out_specs=(P(DATA), P(DATA)),
