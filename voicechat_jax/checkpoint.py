@@ -449,9 +449,13 @@ def restore(
     *,
     tokenizer: str | os.PathLike | None = None,
     device: jax.Device | None = None,
+    sharding: jax.sharding.Sharding | None = None,
     verify: Verify = Verify.FULL,
 ) -> tuple[config_lib.ModelConfig, voicechat.ModelParams, Callable[[np.ndarray], str] | None]:
     """(config, params on ``device``, text decoder or None) of a converted checkpoint.
+
+    ``sharding`` places every leaf instead (e.g. ``mesh.replicated(m)``: a copy on each device of
+    a mesh, read by orbax straight onto them); it overrides ``device``.
 
     The files are verified first (``check``'s ``verify``: ``Verify.SIZES`` skips the digests).
     Each leaf is read by orbax straight onto the device in ``precision``'s dtype (orbax casts on
@@ -471,8 +475,9 @@ def restore(
     wrote = manifest.get("precision")
     if wrote is not None and wrote != precision_to_json(precision):
         logging.warning("checkpoint written in precision %s, restoring in %s", wrote, precision)
-    device = device or jax.devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    if sharding is None:
+        device = device or jax.devices()[0]
+        sharding = jax.sharding.SingleDeviceSharding(device)
     want = dict(zip(paths, targets, strict=True))
     if CHAR_TABLE in stored:
         want[CHAR_TABLE] = jax.ShapeDtypeStruct(tuple(stored[CHAR_TABLE]["shape"]), jnp.int32)
@@ -492,7 +497,8 @@ def restore(
             )
         logging.info("computing the speech decoder's text table at load")
         with jax.default_device(device):
-            params = params.replace(tts=ear_tts.with_text_table(params.tts, chars, cfg=cfg))
+            tts = ear_tts.with_text_table(params.tts, chars, cfg=cfg)
+        params = params.replace(tts=jax.device_put(tts, sharding))
     return cfg, params, text_decoder(tok_path) if tok_path is not None else None
 
 

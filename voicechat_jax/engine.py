@@ -19,7 +19,9 @@ import time
 
 import jax
 from absl import logging
+from jax.sharding import Mesh
 
+from voicechat_jax import mesh as mesh_lib
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ModelConfig, ServeConfig
@@ -125,6 +127,7 @@ class Engine:
         *,
         template: voicechat.FrameState | None = None,
         memory_limit_bytes: int | None = None,
+        mesh: Mesh | None = None,
     ):
         """Builds the template (unless given), checks the memory plan, allocates the state.
 
@@ -132,11 +135,19 @@ class Engine:
           template: a fresh-session state already built for this ``cfg``/``serve``/``precision``
             (several engines of one process can share it); default: built here.
           memory_limit_bytes: the memory budget to plan against, instead of the device's own limit.
+          mesh: a ``data`` mesh (``mesh.make_mesh``) to split the slots over: params and template
+            replicated on its devices, the state split by slot, the tick ``mesh.make_tick``, each
+            beat placed by ``tick``; the memory plan is then per device (``slots / devices``).
+            The dispatch loop only (``compile_resident`` refuses a mesh). Default: one device.
 
         Raises:
           MemoryPlanError: the slots do not fit; the message names the bytes needed and the
             largest slot count that fits.
         """
+        self.mesh = mesh
+        if mesh is not None:
+            mesh_lib.check_slots(serve.slots, mesh)
+            params = mesh_lib.put_replicated(params, mesh)
         self.params = params
         self.cfg = cfg
         self.serve = serve
@@ -144,14 +155,22 @@ class Engine:
         t = time.perf_counter()
         if template is None:
             template = build_template(params, cfg, serve, precision)
+        if mesh is not None:
+            template = mesh_lib.put_replicated(template, mesh)
         self.template = template
         jax.block_until_ready(self.template)
         self.template_s = time.perf_counter() - t
-        self.memory = plan_memory(self.template, serve.slots, limit_bytes=memory_limit_bytes)
+        per_device = serve.slots if mesh is None else mesh_lib.check_slots(serve.slots, mesh)
+        self.memory = plan_memory(
+            self.template,
+            per_device,
+            limit_bytes=memory_limit_bytes,
+            device=None if mesh is None else mesh.devices.flat[0],
+        )
         if not self.memory.fits:
             raise MemoryPlanError(f"the state does not fit: {self.memory.describe()}")
         logging.info("memory plan: %s", self.memory.describe())
-        self.state = state_lib.from_template(self.template, serve.slots)
+        self.state = self._fresh_state()
         self.samples_per_beat = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
         self._tick = None
         self.compile_s: float | None = None
@@ -159,7 +178,12 @@ class Engine:
     def reset(self) -> None:
         """Every slot back to the fresh template, none live (the compiled tick is kept)."""
         self.state = None  # drop the old state first: two states need not fit side by side
-        self.state = state_lib.from_template(self.template, self.serve.slots)
+        self.state = self._fresh_state()
+
+    def _fresh_state(self) -> state_lib.SessionState:
+        if self.mesh is None:
+            return state_lib.from_template(self.template, self.serve.slots)
+        return mesh_lib.state_from_template(self.template, self.serve.slots, self.mesh)
 
     def empty_beat(self) -> state_lib.BeatInput:
         return state_lib.empty_beat(
@@ -170,7 +194,10 @@ class Engine:
         """Compiles the dispatch tick once; returns the executable."""
         if self._tick is None:
             t = time.perf_counter()
-            jitted = step_lib.make_tick(self.cfg, self.serve, self.precision)
+            if self.mesh is None:
+                jitted = step_lib.make_tick(self.cfg, self.serve, self.precision)
+            else:
+                jitted = mesh_lib.make_tick(self.cfg, self.serve, self.precision, self.mesh)
             self._tick = jitted.lower(
                 self.params, self.state, self.template, self.empty_beat()
             ).compile()
@@ -180,11 +207,18 @@ class Engine:
 
     def tick(self, beat: state_lib.BeatInput) -> state_lib.BeatOutput:
         """Dispatches one beat (asynchronously); the state is donated and replaced."""
+        if self.mesh is not None:
+            beat = mesh_lib.put_beat(beat, self.mesh)  # each device gets its slots' rows
         self.state, out = self.compile_tick()(self.params, self.state, self.template, beat)
         return out
 
     def compile_resident(self, next_beat, deliver):
         """Compiles the resident loop bound to these host callbacks; returns the executable."""
+        if self.mesh is not None:
+            raise ValueError(
+                "the resident loop serves one device (its io_callbacks would route every beat "
+                "through device 0); on a mesh use the dispatch loop"
+            )
         t = time.perf_counter()
         fn = step_lib.make_resident(self.cfg, self.serve, self.precision, next_beat, deliver)
         compiled = fn.lower(self.params, self.state, self.template, self.empty_beat()).compile()
