@@ -18,9 +18,10 @@ part of the tick's wake lateness that the previous beat's device time forced. A 
 device's when a perfect host, ready the moment the previous beat's device work ended, would still
 have woken after the skipped tick's slot. In the dispatch loop the beat thread never waits for the
 device, so its skips are the host's, except the ticks the server skips on purpose because the device
-is still busy with earlier beats (``Server(max_inflight=...)``): those are the device's. Where the split cannot be measured the host is blamed, so
-"no host-caused miss" is a conservative claim. Records without a timeline attribute misses as
-``unknown``. The largest host stage of a host-caused miss is named in ``host_stage``.
+is still busy with earlier beats (``Server(max_inflight=...)``): those are the device's. Where the
+split cannot be measured the host is blamed, so "no host-caused miss" is a conservative claim.
+Records without a timeline attribute misses as ``unknown``. The largest host stage of a host-caused
+miss is named in ``host_stage``.
 
 **Bounded.** A server runs for hours: the recorder keeps running counters over the whole run,
 exact percentiles over the last ``window`` steady ticks (a NumPy ring), the last ``recent`` tick
