@@ -188,7 +188,10 @@ def test_signal_drains_and_exits_0(tmp_path, sig, loop):
     sessions = json.loads((out / "sessions.json").read_text())
     assert sessions["ended"] == {"s000": "shutdown", "s001": "shutdown"}
     assert sessions["stopped"] is True
-    assert "stopped by signal" in (tmp_path / "stdout.txt").read_text()
+    stdout = (tmp_path / "stdout.txt").read_text()
+    assert "stopped by signal" in stdout
+    drained = float(re.search(r"drained in ([0-9.]+) s", stdout).group(1))
+    assert drained < drain_s
 
 
 def test_second_signal_exits_at_once(tmp_path):

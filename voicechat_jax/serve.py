@@ -25,6 +25,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 
 from absl import app, flags, logging
 
@@ -170,6 +171,8 @@ class _Signals:
     def __init__(self, stop: threading.Event, drain_timeout_s: float):
         self.stop = stop
         self.drain_timeout_s = drain_timeout_s
+        self.first_at: float | None = None  # time.monotonic() of the first signal
+        self._timer: threading.Timer | None = None
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
@@ -199,10 +202,17 @@ class _Signals:
                     "at once)",
                     name,
                 )
+                self.first_at = time.monotonic()
                 self.stop.set()
-                timer = threading.Timer(self.drain_timeout_s, self._timeout)
-                timer.daemon = True
-                timer.start()
+                self._timer = threading.Timer(self.drain_timeout_s, self._timeout)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def drained(self) -> float | None:
+        """The server has drained (files closed): no deadline any more; seconds since the signal."""
+        if self._timer is not None:
+            self._timer.cancel()
+        return None if self.first_at is None else time.monotonic() - self.first_at
 
     def _timeout(self) -> None:
         message = f"draining took longer than {self.drain_timeout_s:g} s; exiting"
@@ -248,21 +258,28 @@ def main(argv: list[str]) -> None:
     options = options_from_flags()
     logging.info("serving with %s", options)
     stop = threading.Event()
-    _Signals(stop, FLAGS.drain_timeout_s)
+    signals = _Signals(stop, FLAGS.drain_timeout_s)
     try:
         result = runner.run(options, stop=stop)
     except CheckpointError as e:
         _fail(f"checkpoint {FLAGS.checkpoint}: {e}", EXIT_ERROR)
     except OSError as e:
         _fail(f"error: {e}", EXIT_ERROR)
+    drain_s = signals.drained()
     print(result.table)  # the CLI's report; the library itself never prints
     print(f"outputs: {os.path.abspath(options.output_dir)}")
     if result.stopped:
-        print("stopped by signal: every live session ended with a shutdown event")
-    sys.stdout.flush()
+        drained = "" if drain_s is None else f"; drained in {drain_s:.2f} s"
+        print(f"stopped by signal: every live session ended with a shutdown event{drained}")
+    code = EXIT_OK
     if result.failed:
         sys.stderr.write(f"voicechat-serve: {result.failed} session(s) failed (sessions.json)\n")
-        sys.exit(EXIT_SESSIONS_FAILED)
+        code = EXIT_SESSIONS_FAILED
+    # Every file is closed: exit now, without waiting for the runtime's threads to wind down.
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run() -> None:

@@ -318,6 +318,8 @@ class Server:
         self._cap_reached: queue.SimpleQueue = queue.SimpleQueue()
         self._picked = threading.Condition()
         self._picked_through = -1
+        self._collected = threading.Condition()  # offline: the beat thread waits for the writer
+        self._collected_through = -1
 
     # ---- control -----------------------------------------------------------------------------
 
@@ -571,9 +573,18 @@ class Server:
             logging.exception("the output writer failed")
             self._fail(e)
         finally:
+            with self._collected:
+                self._collected_through = 1 << 62
+                self._collected.notify_all()
             for sid in list(self._sinks):
                 self._close_sink(sid)
             self.metrics.record_gc(self.gc_monitor.drain())
+
+    def _await_collected(self, k: int) -> None:
+        """Offline clock: beat k's outputs are in the sessions (so a context cap it reached ends
+        the session before the next beat, as on a server that reads each beat before the next)."""
+        with self._collected:
+            self._collected.wait_for(lambda: self._collected_through >= k)
 
     def _log_end(self, *, session: Hashable, reason: str, tick: int, **_) -> None:
         if reason == "context cap":
@@ -665,6 +676,9 @@ class Server:
                 collect_s=_now() - t0,
             ),
         )
+        with self._collected:
+            self._collected_through = msg.tick
+            self._collected.notify_all()
 
     # ---- the two loops -----------------------------------------------------------------------
 
@@ -737,8 +751,8 @@ class Server:
                 out = self.engine.tick(beat)
                 self._to_reader.put(_Dispatched(k, timing, prepared, _now(), out, self._snapshot))
                 if self.clock.mode == OFFLINE:
-                    # Offline ticks run back to back: the next starts when this one is done.
-                    jax.block_until_ready(out)
+                    # Offline ticks run back to back: the next starts when this one is read.
+                    self._await_collected(k)
             self._end_live_sessions(0 if last is None else last + 1)
         finally:
             self._to_reader.put(None)
@@ -796,6 +810,8 @@ class Server:
         """Resident loop, on the device's callback: the input of device iteration i + 1."""
         try:
             last = self._last
+            if self.clock.mode == OFFLINE:
+                self._await_collected(last)
             k = self.clock.next_tick(last)
             if k < self._n_ticks and not self._stop.is_set():
                 timing = self._wait_for(k, last)
