@@ -93,6 +93,32 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
     }
 
 
+def tick_times(engine: Engine, ticks: int, *, warmup: int = 0) -> np.ndarray:
+    """Wall ms of ``ticks`` dispatch ticks with every slot live, each blocked on (no host work).
+
+    Every slot is admitted on a first, untimed tick; ``warmup`` more ticks run untimed.
+    """
+    engine.reset()
+    beat = engine.empty_beat()
+    beat.admit[:] = True
+    jax.block_until_ready(engine.tick(beat))
+    beat = engine.empty_beat()
+    times = []
+    for _ in range(warmup + ticks):
+        t = time.perf_counter()
+        jax.block_until_ready(engine.tick(beat))
+        times.append((time.perf_counter() - t) * 1e3)
+    return np.asarray(times[warmup:])
+
+
+def write_row(row: dict) -> None:
+    """Logs a result row and appends it to ``--out`` as a JSON line."""
+    logging.info("%s", row)
+    if FLAGS.out:
+        with open(FLAGS.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
 def init_params(cfg, precision):
     """Random weights, jitted (op by op the 11B init took ~45 s on an H200)."""
     t = time.perf_counter()

@@ -10,13 +10,11 @@ lines; a short table is printed last.
 
 from __future__ import annotations
 
-import json
 import os
-import time
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 
 from experiments.beat_latency import run as beat_latency
 from experiments.beat_profile import components
@@ -30,55 +28,35 @@ flags.DEFINE_integer("tick_repeats", 10, "Back-to-back ticks timed for the devic
 flags.DEFINE_list("serve_slots", ["16", "32", "56", "112"], "Slot counts also served on the clock.")
 
 
-def tick_device_ms(engine, repeats: int) -> list[float]:
-    """Each dispatch tick's wall time, blocking on its outputs (no host work in between)."""
-    engine.reset()
-    beat = engine.empty_beat()
-    beat.admit[:] = True  # every slot live, admitted on the first (untimed) tick
-    out = engine.tick(beat)
-    jax.block_until_ready(out)
-    beat = engine.empty_beat()
-    times = []
-    for _ in range(repeats + 2):
-        t = time.perf_counter()
-        out = engine.tick(beat)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) * 1e3)
-    return times[2:]
-
-
-def _write(row: dict) -> None:
-    logging.info("%s", row)
-    if FLAGS.out:
-        with open(FLAGS.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
 def main(argv):
     del argv
     cfg = config_lib.PRESETS[FLAGS.model]()
     precision = Precision.reference()
     params = beat_latency.init_params(cfg, precision)
     copy = components.device_copy_tbps(gib=4.0 if jax.default_backend() == "gpu" else 0.25)
-    _write({"kind": "copy", "tbps": copy, "device": jax.devices()[0].device_kind})
+    beat_latency.write_row({"kind": "copy", "tbps": copy, "device": jax.devices()[0].device_kind})
     template = None
     served, profiles = [], []
     for B in (int(x) for x in FLAGS.slots):
         try:
             engine = beat_latency.make_engine(params, cfg, precision, B, template)
         except Exception as e:  # a slot count that does not fit is a result, not a crash
-            _write({"kind": "error", "slots": B, "error": str(e).splitlines()[0][:300]})
+            beat_latency.write_row(
+                {"kind": "error", "slots": B, "error": str(e).splitlines()[0][:300]}
+            )
             continue
         template = engine.template
         if str(B) in FLAGS.serve_slots:
             for loop in FLAGS.loops:
                 row = beat_latency.measure(engine, loop) | {"kind": "serve"}
                 served.append(row)
-                _write(row)
+                beat_latency.write_row(row)
         engine.compile_tick()
-        ticks = tick_device_ms(engine, FLAGS.tick_repeats)
+        ticks = beat_latency.tick_times(engine, FLAGS.tick_repeats, warmup=2).tolist()
         tick_ms = float(np.median(ticks)) / engine.serve.frames_per_tick
-        _write({"kind": "tick", "slots": B, "ms_per_frame_step": tick_ms, "ms": ticks})
+        beat_latency.write_row(
+            {"kind": "tick", "slots": B, "ms_per_frame_step": tick_ms, "ms": ticks}
+        )
         rows = [
             components.admission_ms(engine, repeats=FLAGS.repeats),
             components.reseed_ms(engine, repeats=FLAGS.repeats),
@@ -87,7 +65,7 @@ def main(argv):
         for r in rows:
             d = {"kind": "component", **r.__dict__, "tbps": r.tbps, "copy_tbps": copy}
             d["share"] = r.ms / tick_ms
-            _write(d)
+            beat_latency.write_row(d)
         profiles.append((B, tick_ms, rows))
         del engine
     if served:

@@ -15,13 +15,10 @@ worst case of a full two-minute context on every tick. Rows go to ``--out`` as J
 
 from __future__ import annotations
 
-import json
 import os
-import time
 
-import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 
 from experiments.beat_latency import run as beat_latency
 from voicechat_jax import config as config_lib
@@ -37,27 +34,12 @@ WEIGHTS_GB = 26.0  # bf16 LLM + fp32 rest, read once per frame-step (serving-spe
 SESSION_GB = 1.1  # per session per frame-step at the 1,500-frame cap (serving-spec §3)
 
 
-def probe(engine: Engine, ticks: int) -> np.ndarray:
-    """Device time (ms) of ``ticks`` dispatch ticks with every slot live, one after another."""
-    engine.reset()
-    beat = engine.empty_beat()
-    beat.admit[:] = True
-    jax.block_until_ready(engine.tick(beat))
-    beat = engine.empty_beat()
-    times = []
-    for _ in range(ticks):
-        t = time.perf_counter()
-        jax.block_until_ready(engine.tick(beat))
-        times.append((time.perf_counter() - t) * 1e3)
-    return np.asarray(times)
-
-
 def baseline(params, cfg, precision, template, ticks: int) -> dict:
     """A request server's way: one session per call. The 1-slot tick's time decides the count."""
     serve = config_lib.ServeConfig(slots=1, frames_per_tick=2, context_frames=FLAGS.context_frames)
     engine = Engine(params, cfg, serve, precision, template=template)
     engine.compile_tick()
-    times = probe(engine, ticks)
+    times = beat_latency.tick_times(engine, ticks)
     period = serve.beat_ms
     p99 = float(np.percentile(times, 99))
     return {
@@ -66,13 +48,6 @@ def baseline(params, cfg, precision, template, ticks: int) -> dict:
         "ms_p99": p99,
         "sessions_held": int(period // p99),
     }
-
-
-def _write(row: dict) -> None:
-    logging.info("%s", row)
-    if FLAGS.out:
-        with open(FLAGS.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
 
 
 def main(argv):
@@ -87,17 +62,19 @@ def main(argv):
             template = beat_latency.make_engine(params, cfg, precision, 1).template
             row = baseline(params, cfg, precision, template, FLAGS.baseline_ticks)
             row["policy"] = name
-            _write(row)
+            beat_latency.write_row(row)
             rows.append(row)
         for n in (int(x) for x in FLAGS.sessions):
             try:
                 engine = beat_latency.make_engine(params, cfg, precision, n, template)
             except Exception as e:  # a count that does not fit is a result
-                _write({"kind": "error", "policy": name, "sessions": n, "error": str(e)[:300]})
+                beat_latency.write_row(
+                    {"kind": "error", "policy": name, "sessions": n, "error": str(e)[:300]}
+                )
                 continue
             template = engine.template
             engine.compile_tick()
-            times = probe(engine, FLAGS.probe_ticks)
+            times = beat_latency.tick_times(engine, FLAGS.probe_ticks)
             beat_ms = float(np.median(times))
             floor_ms = 2 * (WEIGHTS_GB + SESSION_GB * n) / 3.7  # two frame-steps at 3.7 TB/s
             point = {
@@ -110,14 +87,14 @@ def main(argv):
                 "gpu_s_per_conversation_hour_busy": 3600.0 * beat_ms / engine.serve.beat_ms / n,
                 "gpu_s_per_conversation_hour_reserved": 3600.0 / n,
             }
-            _write(point)
+            beat_latency.write_row(point)
             rows.append(point)
             if beat_ms >= engine.serve.beat_ms:
                 del engine
                 continue  # it cannot hold at its median: no need to serve it
             for loop in FLAGS.loops:
                 row = beat_latency.measure(engine, loop) | {"kind": "serve", "policy": name}
-                _write(row)
+                beat_latency.write_row(row)
                 rows.append(row)
             engine.state = None
             del engine

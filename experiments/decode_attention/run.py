@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from experiments.beat_profile.components import device_copy_tbps
 from pallas_kernels.decode_attention import DecodeAttentionBlocks
 from voicechat_jax import config as config_lib
 from voicechat_jax.model.attention import AttentionImpl, attend
@@ -169,20 +170,6 @@ def time_calls(fn, args, repeats: int) -> tuple[np.ndarray, float, tuple]:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t)
     return np.asarray(times), first_s, first
-
-
-def device_copy_tbps(gib: float, repeats: int = 10) -> float:
-    """TB/s of a plain device copy (bytes read + written) of a ``gib`` GiB fp32 array."""
-    n = int(gib * 2**30 / 4)
-    x = jnp.arange(n, dtype=F32)
-    f = jax.jit(lambda a: a + 1.0)
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t)
-    return 2 * n * 4 / float(np.median(times)) / 1e12
 
 
 def _rel(a, b) -> float:
