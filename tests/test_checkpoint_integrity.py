@@ -45,7 +45,7 @@ def _env() -> dict[str, str]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "voicechat_jax.convert", *args]
+    cmd = [sys.executable, "-m", "voicechat_jax.cli.convert", *args]
     return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -357,7 +357,7 @@ def _start(release, dst) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
-        "voicechat_jax.convert",
+        "voicechat_jax.cli.convert",
         f"--src={release['dir']}",
         f"--dst={dst}",
         f"--llm_config={release['llm_config']}",

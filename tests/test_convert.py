@@ -192,7 +192,7 @@ def test_manifest_and_config(converted, release, tiny_cfg):
 def test_dry_run_lists_every_tensor_and_writes_nothing(release, tmp_path):
     dst = tmp_path / "never"
     args = [f"--src={release['dir']}", f"--llm_config={release['llm_config']}", "--dry_run"]
-    out = _run("voicechat_jax.convert", *args, f"--dst={dst}")
+    out = _run("voicechat_jax.cli.convert", *args, f"--dst={dst}")
     assert out.returncode == 0, out.stderr
     names = load_file(str(release["dir"] / "model.safetensors"))
     mapped = re.findall(r"^  (\S+) [FI]\d+\[[\d, ]*\] -> ", out.stdout, re.M)
@@ -474,7 +474,7 @@ def test_cli_exits_non_zero_with_the_message(release, tensors, tmp_path):
     src = _variant(release, tmp_path, tensors=bad)
     dst = tmp_path / "out" / "ck"
     out = _run(
-        "voicechat_jax.convert",
+        "voicechat_jax.cli.convert",
         f"--src={src}",
         f"--dst={dst}",
         f"--llm_config={release['llm_config']}",
@@ -503,7 +503,7 @@ def test_served_frames_match_nemo(converted, clip, nemo_tiny, tiny_cfg, tmp_path
     dst, _ = converted
     wav, samples = clip
     out = _run(
-        "voicechat_jax.serve",
+        "voicechat_jax.cli.serve",
         f"--checkpoint={dst}",
         "--clock=offline",
         "--speech_sampling=deterministic",

@@ -30,6 +30,7 @@ flags.DEFINE_integer("context_frames", 256, "Context cap in frames (short contex
 flags.DEFINE_enum("clock", "realtime", ["realtime", "offline"], "Beat clock.")
 flags.DEFINE_string("out", None, "JSON-lines output file.")
 flags.DEFINE_enum("ssm_kernel", "xla", ["xla", "pallas"], "Mamba-2 decode SSM update.")
+flags.DEFINE_enum("attention", "xla", ["xla", "cudnn", "pallas"], "Decode attention.")
 
 
 def _speech(n: int, seed: int) -> np.ndarray:
@@ -55,6 +56,7 @@ def make_engine(params, cfg, precision, sessions: int, template=None, **serve_kw
         frames_per_tick=2,
         context_frames=FLAGS.context_frames,
         ssm_kernel=FLAGS.ssm_kernel,
+        attention=FLAGS.attention,
         **serve_kw,
     )
     return Engine(params, cfg, serve, precision, template=template)
@@ -77,6 +79,7 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "jax": jax.__version__,
         "loop": loop,
         "ssm_kernel": FLAGS.ssm_kernel,
+        "attention": FLAGS.attention,
         "sessions": sessions,
         "context_frames": FLAGS.context_frames,
         "clock": FLAGS.clock,

@@ -176,7 +176,7 @@ def main(argv: list[str]) -> None:
         cmd = [
             sys.executable,
             "-m",
-            "voicechat_jax.convert",
+            "voicechat_jax.cli.convert",
             f"--src={src}",
             f"--dst={dst}",
             f"--precision={FLAGS.precision}",
