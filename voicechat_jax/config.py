@@ -396,7 +396,8 @@ class ServeConfig:
     at_cap: AtCap = AtCap.END  # strings of the enum are accepted (and converted)
     speech_sampling: SpeechSampling = SpeechSampling.FAITHFUL
     system_prompt: tuple[int, ...] = ()  # token ids prefilled as [BOS] + ids + [EOS], if any
-    attention: AttentionImpl = AttentionImpl.XLA  # decode attention ('cudnn': bf16 KV only)
+    attention: AttentionImpl = AttentionImpl.XLA  # LLM decode attention ('cudnn': bf16 KV only)
+    tts_attention: AttentionImpl | None = None  # speech decoder's; None: as ``attention``
     ssm_kernel: SSMKernel = SSMKernel.XLA  # LLM Mamba step update
     deadline_ms: float | None = None  # default: the beat period
     capsule_tokens: int = 96  # U: room for a roll-over's conversation capsule (token ids)
@@ -410,9 +411,12 @@ class ServeConfig:
             ("at_cap", AtCap),
             ("speech_sampling", SpeechSampling),
             ("attention", AttentionImpl),
+            ("tts_attention", AttentionImpl),
             ("ssm_kernel", SSMKernel),
         ):
-            object.__setattr__(self, field, _choice(cls, getattr(self, field), field))
+            value = getattr(self, field)
+            if value is not None or field != "tts_attention":
+                object.__setattr__(self, field, _choice(cls, value, field))
 
     @property
     def beat_ms(self) -> float:

@@ -193,6 +193,7 @@ def tick(
         precision=precision,
         deterministic=serve.deterministic,
         attention=serve.attention,
+        tts_attention=serve.tts_attention,
         ssm_kernel=serve.ssm_kernel,
     )
     new_state = SessionState(model=model, active=active, key=key)

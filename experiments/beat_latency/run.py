@@ -30,7 +30,10 @@ flags.DEFINE_integer("context_frames", 256, "Context cap in frames (short contex
 flags.DEFINE_enum("clock", "realtime", ["realtime", "offline"], "Beat clock.")
 flags.DEFINE_string("out", None, "JSON-lines output file.")
 flags.DEFINE_enum("ssm_kernel", "xla", ["xla", "pallas"], "Mamba-2 decode SSM update.")
-flags.DEFINE_enum("attention", "xla", ["xla", "cudnn", "pallas"], "Decode attention.")
+flags.DEFINE_enum("attention", "xla", ["xla", "cudnn", "pallas"], "LLM decode attention.")
+flags.DEFINE_enum(
+    "tts_attention", None, ["xla", "cudnn", "pallas"], "Speech decoder's (default: as --attention)."
+)
 
 
 def _speech(n: int, seed: int) -> np.ndarray:
@@ -57,6 +60,7 @@ def make_engine(params, cfg, precision, sessions: int, template=None, **serve_kw
         context_frames=FLAGS.context_frames,
         ssm_kernel=FLAGS.ssm_kernel,
         attention=FLAGS.attention,
+        tts_attention=FLAGS.tts_attention,
         **serve_kw,
     )
     return Engine(params, cfg, serve, precision, template=template)
@@ -80,6 +84,7 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "loop": loop,
         "ssm_kernel": FLAGS.ssm_kernel,
         "attention": FLAGS.attention,
+        "tts_attention": FLAGS.tts_attention or FLAGS.attention,
         "sessions": sessions,
         "context_frames": FLAGS.context_frames,
         "clock": FLAGS.clock,

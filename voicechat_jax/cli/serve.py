@@ -79,7 +79,13 @@ flags.DEFINE_integer("warmup_ticks", 3, "Ticks reported as warm-up, apart from s
 flags.DEFINE_enum(
     "ssm_kernel", "xla", ["xla", "pallas"], "Mamba-2 decode SSM update (pallas: in place)."
 )
-flags.DEFINE_enum("attention", "xla", ["xla", "cudnn"], "Decode attention implementation.")
+flags.DEFINE_enum("attention", "xla", ["xla", "cudnn", "pallas"], "LLM decode attention.")
+flags.DEFINE_enum(
+    "tts_attention",
+    None,
+    ["xla", "cudnn", "pallas"],
+    "Speech decoder attention (default: as --attention).",
+)
 flags.DEFINE_enum(
     "gc_policy",
     "slack",
@@ -229,6 +235,7 @@ def options_from_flags() -> runner.RunOptions:
         speech_sampling=FLAGS.speech_sampling,
         system_prompt=tuple(int(x) for x in FLAGS.system_prompt),
         attention=FLAGS.attention,
+        tts_attention=FLAGS.tts_attention,
         ssm_kernel=FLAGS.ssm_kernel,
         deadline_ms=FLAGS.deadline_ms,
     )

@@ -138,6 +138,7 @@ def advance(
     precision: Precision,
     deterministic: bool,
     attention: str = "xla",
+    tts_attention: str | None = None,
     ssm_kernel: str = "xla",
 ) -> tuple[FrameState, FrameOutputs]:
     """Advance the rows in ``run`` by ``T = audio.shape[1] // 1280`` frames, in place.
@@ -150,8 +151,10 @@ def advance(
         bit-identical: each update masks itself where it happens (no select over the whole
         state), so under ``jit`` with the state donated the state is updated in place. Their
         outputs are meaningless.
-      attention: every decode-step attention, 'xla' | 'cudnn' | 'pallas'
+      attention: the LLM's decode-step attention, 'xla' | 'cudnn' | 'pallas'
         (``ServeConfig.attention``, ``model.attention``).
+      tts_attention: the speech decoder's, the same choices; None: as ``attention``
+        (``ServeConfig.tts_attention``).
       ssm_kernel: the LLM's Mamba step update, 'xla' | 'pallas' (``ServeConfig.ssm_kernel``).
     """
     B = audio.shape[0]
@@ -189,7 +192,7 @@ def advance(
             run,
             cfg=cfg,
             deterministic=deterministic,
-            attention=attention,
+            attention=attention if tts_attention is None else tts_attention,
         )
         text_prev, func_prev = keep_rows(run, (text, func), (text_prev, func_prev))
         return (llm_state, tts_state, text_prev, func_prev, frame + step), (
