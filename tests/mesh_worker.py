@@ -36,7 +36,7 @@ CFG = tiny()
 PREC = Precision.fp32()
 DEVICES = 4
 SLOTS = 8  # 2 per device: slots 2d and 2d+1 live on device d
-SERVE = ServeConfig(slots=SLOTS, frames_per_tick=2, context_frames=64)
+SERVE = ServeConfig(slots=SLOTS, frames_per_tick=2, context_frames=64, precision=PREC)
 FIELDS = ("text", "function", "codes", "wav")
 
 # The scripted beats of the engine-level check: beat -> (slots admitted, slots released).
@@ -201,14 +201,14 @@ def engine_checks(out_dir: str) -> None:
     arrays: dict[str, np.ndarray] = {}
     mesh = mesh_lib.make_mesh(DEVICES)
     params = jax.jit(lambda k: voicechat.init(k, CFG, PREC))(jax.random.key(0))
-    one = Engine(params, CFG, SERVE, PREC)
+    one = Engine(params, CFG, SERVE)
     one.compile_tick()
     local = Engine(
-        params, CFG, dataclasses.replace(SERVE, slots=SLOTS // DEVICES), PREC, template=one.template
+        params, CFG, dataclasses.replace(SERVE, slots=SLOTS // DEVICES), template=one.template
     )
     local.compile_tick()
     with step_lib.CompileCounter("tick") as compiles:  # the one-device ticks are compiled
-        sharded = Engine(params, CFG, SERVE, PREC, template=one.template, mesh=mesh)
+        sharded = Engine(params, CFG, SERVE, template=one.template, mesh=mesh)
         _placement(sharded, mesh, result)
         _scripted(one, sharded, mesh, result, arrays)
         _per_device(one, local, arrays)

@@ -174,9 +174,14 @@ def test_thresholds_scale_to_the_cap():
 def engine():
     params = voicechat.init(jax.random.key(0), CFG, PREC)
     serve = ServeConfig(
-        slots=2, frames_per_tick=FPT, context_frames=CAP, capsule_tokens=U, at_cap="memory"
+        slots=2,
+        frames_per_tick=FPT,
+        context_frames=CAP,
+        capsule_tokens=U,
+        at_cap="memory",
+        precision=PREC,
     )
-    eng = Engine(params, CFG, serve, PREC)
+    eng = Engine(params, CFG, serve)
     eng.compile_tick()
     return eng
 
@@ -305,9 +310,14 @@ def test_neighbour_unchanged_by_a_rollover(engine):
 def test_reset_rolls_over_with_an_empty_capsule():
     params = voicechat.init(jax.random.key(0), CFG, PREC)
     serve = ServeConfig(
-        slots=1, frames_per_tick=FPT, context_frames=16, capsule_tokens=U, at_cap="reset"
+        slots=1,
+        frames_per_tick=FPT,
+        context_frames=16,
+        capsule_tokens=U,
+        at_cap="reset",
+        precision=PREC,
     )
-    eng = Engine(params, CFG, serve, PREC)
+    eng = Engine(params, CFG, serve)
     eng.compile_tick()
     server, rows = _serve(eng, [SessionPlan("a", _speech(4.0, 4))], 24)
     events = [r for r in rows if r.get("event") == "rollover"]
@@ -342,3 +352,36 @@ def test_cli_at_cap_memory_runs(tmp_path):
     frames = (out / "s000" / "frames.jsonl").read_text().splitlines()
     assert len(frames) == 2 * round(5 / 0.16)
     assert not any(r.get("event") == "ended" and r.get("reason") == "context cap" for r in rows)
+
+
+def test_five_minute_call_rolls_over_twice_at_the_real_thresholds(tmp_path):
+    """A 5-minute call (1,875 beats) at the 1,500-frame cap and the runtime's thresholds (soft
+    1,125, hard 1,375 frames): at least two roll-overs, each inside the thresholds with a capsule
+    of at most 96 ids; no frame lost or repeated; the audio runs on across every boundary (the
+    codec's streaming state is kept: the jump at a boundary is no larger than the call's own
+    sample-to-sample steps); the tick compiled once."""
+    n_ticks = 1875  # 300 s of 160 ms beats
+    params = voicechat.init(jax.random.key(0), CFG, PREC)
+    serve = ServeConfig(
+        slots=1, frames_per_tick=FPT, context_frames=1500, at_cap="memory", precision=PREC
+    )
+    eng = Engine(params, CFG, serve)
+    eng.compile_tick()
+    server, rows = _serve(
+        eng, [SessionPlan("a", _speech(n_ticks * 0.16, 7))], n_ticks, output_dir=tmp_path
+    )
+    events = [r for r in rows if r.get("event") == "rollover"]
+    assert (server.rollover.soft_frames, server.rollover.hard_frames) == (1125, 1375)
+    assert len(events) >= 2
+    for e in events:
+        assert 1125 <= e["context"] <= 1375 + FPT - 1
+        assert e["capsule_len"] <= 96
+    lines = [json.loads(x) for x in (tmp_path / "a" / "frames.jsonl").read_text().splitlines()]
+    assert [r["frame"] for r in lines] == list(range(n_ticks * FPT))
+    wav = server.logs["a"].audio()
+    assert wav.shape[0] == n_ticks * FPT * SAMPLES_PER_OUT_FRAME
+    assert np.all(np.isfinite(wav))
+    step = np.abs(np.diff(wav))
+    for e in events:
+        at = FPT * e["tick"] * SAMPLES_PER_OUT_FRAME  # the first sample after the roll-over
+        assert step[at - 1] <= np.quantile(step, 0.999), (e, step[at - 1])

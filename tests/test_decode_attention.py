@@ -351,9 +351,10 @@ class AttendMatchesTheModel(chex.TestCase):
         assert rel_err(outs["pallas"], want) < TOL[(F32, F32)]
 
 
-@pytest.mark.parametrize("impl", ["pallas"])
-def test_tick_with_kernel_attention_matches_xla(impl):
-    """The served tick with ``ServeConfig(attention=impl)``: the same tokens and codes as 'xla'."""
+def test_tick_with_kernel_attention_matches_xla():
+    """The served tick with the kernel for every attention (``attention='pallas'``), and with the
+    kernel for the LLM only (``tts_attention='xla'``, the H200 choice): the same tokens and codes
+    as 'xla' everywhere."""
     from voicechat_jax.config import ServeConfig, tiny
     from voicechat_jax.engine import Engine
     from voicechat_jax.model import voicechat
@@ -362,15 +363,18 @@ def test_tick_with_kernel_attention_matches_xla(impl):
     cfg, prec = tiny(), Precision.fp32()
     params = voicechat.init(jax.random.key(0), cfg, prec)
     outs = {}
-    for name in ("xla", impl):
+    for llm, tts in (("xla", None), ("pallas", None), ("pallas", "xla")):
         serve = ServeConfig(
             slots=2,
             frames_per_tick=2,
             context_frames=8,
-            attention=name,
+            attention=llm,
+            tts_attention=tts,
             speech_sampling="deterministic",
+            precision=prec,
         )
-        engine = Engine(params, cfg, serve, prec)
+        assert serve.tts_attention == (None if tts is None else AttentionImpl(tts))
+        engine = Engine(params, cfg, serve)
         beat = engine.empty_beat()
         beat.admit[:] = True
         rng = np.random.default_rng(0)
@@ -379,8 +383,20 @@ def test_tick_with_kernel_attention_matches_xla(impl):
             beat.audio[:] = 0.1 * rng.standard_normal(beat.audio.shape)
             got.append(jax.device_get(engine.tick(beat)))
             beat.admit[:] = False
-        outs[name] = got
-    for a, b in zip(outs["xla"], outs[impl], strict=True):
-        np.testing.assert_array_equal(a.frames.text, b.frames.text)
-        np.testing.assert_array_equal(a.frames.codes, b.frames.codes)
-        np.testing.assert_allclose(a.frames.wav, b.frames.wav, rtol=0, atol=1e-4)
+        outs[llm, tts] = got
+    want = outs["xla", None]
+    for key in (("pallas", None), ("pallas", "xla")):
+        for a, b in zip(want, outs[key], strict=True):
+            np.testing.assert_array_equal(a.frames.text, b.frames.text)
+            np.testing.assert_array_equal(a.frames.codes, b.frames.codes)
+            np.testing.assert_allclose(a.frames.wav, b.frames.wav, rtol=0, atol=1e-4)
+
+
+def test_serve_config_checks_tts_attention():
+    """``tts_attention`` is an ``AttentionImpl`` or None; anything else is a one-line error."""
+    from voicechat_jax.config import ServeConfig
+
+    assert ServeConfig().tts_attention is None
+    assert ServeConfig(tts_attention="pallas").tts_attention is AttentionImpl.PALLAS
+    with pytest.raises(ValueError, match=r"tts_attention must be xla\|cudnn\|pallas"):
+        ServeConfig(tts_attention="flash")

@@ -38,8 +38,8 @@ def params():
 @pytest.fixture(scope="module")
 def engine(params):
     """One engine (template + compiled tick) shared by the runs; ``reset`` before each."""
-    serve = ServeConfig(slots=3, frames_per_tick=2, context_frames=64)
-    return Engine(params, CFG, serve, PREC)
+    serve = ServeConfig(slots=3, frames_per_tick=2, context_frames=64, precision=PREC)
+    return Engine(params, CFG, serve)
 
 
 def _speech(seconds: float, seed: int) -> np.ndarray:
@@ -93,8 +93,8 @@ def test_churn_every_tick_compiles_once(params):
         if recording[0] and event == "/jax/core/compile/backend_compile_duration":
             events.append(duration)
 
-    serve = ServeConfig(slots=2, frames_per_tick=2, context_frames=64)
-    engine = Engine(params, CFG, serve, PREC)
+    serve = ServeConfig(slots=2, frames_per_tick=2, context_frames=64, precision=PREC)
+    engine = Engine(params, CFG, serve)
     plans = []
     for k in range(10):  # each tick one session leaves and another joins its slot
         plans.append(SessionPlan(id=f"j{k}", audio=_speech(1, k), join=k, leave=k + 2))
@@ -189,7 +189,7 @@ def test_inactive_and_held_slots_are_bit_identical(engine, params, how):
         audio=np.stack([_speech(0.16, i) for i in range(3)]),
         run=np.asarray([True, how != "held", True]),
     )
-    tick = jax.jit(functools.partial(step_lib.tick, cfg=CFG, serve=serve, precision=PREC))
+    tick = jax.jit(functools.partial(step_lib.tick, cfg=CFG, serve=serve))
     after, out = tick(params, state, engine.template, beat)
     after = jax.device_get(after)
     for x, y in zip(
@@ -205,8 +205,8 @@ def test_inactive_and_held_slots_are_bit_identical(engine, params, how):
 
 
 def test_context_cap_ends_the_session(params):
-    serve = ServeConfig(slots=1, frames_per_tick=2, context_frames=6)
-    engine = Engine(params, CFG, serve, PREC)
+    serve = ServeConfig(slots=1, frames_per_tick=2, context_frames=6, precision=PREC)
+    engine = Engine(params, CFG, serve)
     server = Server(engine, clock="offline", loop="dispatch", warmup_ticks=0)
     server.run([SessionPlan(id="cap", audio=_speech(2, 40))], 6)
     assert server.logs["cap"].arrays()["text"].size == 6
@@ -220,8 +220,10 @@ def test_context_cap_rollover_goes_on_without_a_gap(params):
     on (the frames after a roll-over are not a fresh session's: the encoder, codec and previous
     tokens continue).
     """
-    serve = ServeConfig(slots=1, frames_per_tick=2, context_frames=6, at_cap="rollover")
-    engine = Engine(params, CFG, serve, PREC)
+    serve = ServeConfig(
+        slots=1, frames_per_tick=2, context_frames=6, at_cap="rollover", precision=PREC
+    )
+    engine = Engine(params, CFG, serve)
     x = _speech(2, 41)
     server = Server(engine, clock="offline", loop="dispatch", warmup_ticks=0)
     server.run([SessionPlan(id="roll", audio=x)], 8)

@@ -19,13 +19,13 @@ from voicechat_jax.precision import Precision
 
 CFG = tiny()
 PREC = Precision.fp32()
-SERVE = ServeConfig(slots=16, frames_per_tick=2, context_frames=1500)
+SERVE = ServeConfig(slots=16, frames_per_tick=2, context_frames=1500, precision=PREC)
 
 
 @pytest.fixture(scope="module")
 def engine():
     params = voicechat.init(jax.random.key(0), CFG, PREC)
-    return Engine(params, CFG, SERVE, PREC)
+    return Engine(params, CFG, SERVE)
 
 
 def _state_bytes(state) -> int:
@@ -74,13 +74,13 @@ def test_plan_refuses_slots_that_do_not_fit(engine):
     assert plan.max_slots == 5
     params = engine.params
     with pytest.raises(MemoryPlanError, match=r"16 slots x .* at most 5 slots fit"):
-        Engine(params, CFG, SERVE, PREC, template=template, memory_limit_bytes=limit)
+        Engine(params, CFG, SERVE, template=template, memory_limit_bytes=limit)
     ok = plan_memory(template, 5, limit_bytes=limit, in_use_bytes=0)
     assert ok.fits
 
 
 def test_shared_template_equals_a_fresh_one(engine):
-    again = build_template(engine.params, CFG, SERVE, PREC)
+    again = build_template(engine.params, CFG, SERVE)
     leaves = zip(
         jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(engine.template), strict=True
     )

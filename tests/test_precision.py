@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,15 @@ def test_policies_by_name():
         Precision(matmul="bfloat16")
 
 
+def test_the_policy_lives_in_serve_config():
+    """``ServeConfig.precision``: faithful by default, a policy name or a ``Precision``."""
+    assert ServeConfig().precision == Precision.reference()
+    assert ServeConfig(precision="bf16_tts_kv").precision == Precision.bf16_tts_kv()
+    assert ServeConfig(precision=Precision.tf32()).precision.matmul == "tensorfloat32"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        ServeConfig(precision="fp8")
+
+
 def _lowered_tick(precision: Precision) -> str:
     params = jax.eval_shape(lambda: voicechat.init(jax.random.key(0), CFG, precision))
     template = jax.eval_shape(
@@ -37,7 +48,11 @@ def _lowered_tick(precision: Precision) -> str:
     )
     state = jax.eval_shape(lambda t: state_lib.from_template(t, SERVE.slots), template)
     beat = state_lib.empty_beat(SERVE.slots, 2 * 1280)
-    return step_lib.make_tick(CFG, SERVE, precision).lower(params, state, template, beat).as_text()
+    return (
+        step_lib.make_tick(CFG, dataclasses.replace(SERVE, precision=precision))
+        .lower(params, state, template, beat)
+        .as_text()
+    )
 
 
 def test_the_policy_reaches_the_tick():
@@ -52,7 +67,7 @@ def test_the_policy_reaches_the_tick():
 
 def test_bf16_speech_decoder_kv_serves():
     params = voicechat.init(jax.random.key(0), CFG, Precision.bf16_tts_kv())
-    engine = Engine(params, CFG, SERVE, Precision.bf16_tts_kv())
+    engine = Engine(params, CFG, dataclasses.replace(SERVE, precision="bf16_tts_kv"))
     assert {a.dtype for a in (*engine.state.model.tts.k, *engine.state.model.tts.v)} == {
         jnp.dtype(jnp.bfloat16)
     }

@@ -23,14 +23,19 @@ from voicechat_jax.precision import Precision
 CFG = tiny()
 PREC = Precision.fp32()
 SERVE = ServeConfig(
-    slots=3, frames_per_tick=2, context_frames=24, capsule_tokens=8, system_prompt=(5, 6, 7)
+    slots=3,
+    frames_per_tick=2,
+    context_frames=24,
+    capsule_tokens=8,
+    system_prompt=(5, 6, 7),
+    precision=PREC,
 )
 
 
 @pytest.fixture(scope="module")
 def engine():
     params = voicechat.init(jax.random.key(0), CFG, PREC)
-    return Engine(params, CFG, SERVE, PREC)
+    return Engine(params, CFG, SERVE)
 
 
 def _leaves(tree):

@@ -32,7 +32,9 @@ SAMPLES_PER_OUT_FRAME = 1764
 @pytest.fixture(scope="module")
 def engine():
     params = voicechat.init(jax.random.key(0), CFG, PREC)
-    return Engine(params, CFG, ServeConfig(slots=3, frames_per_tick=2, context_frames=64), PREC)
+    return Engine(
+        params, CFG, ServeConfig(slots=3, frames_per_tick=2, context_frames=64, precision=PREC)
+    )
 
 
 def _speech(seconds: float, seed: int) -> np.ndarray:

@@ -4,7 +4,7 @@ The names a user starts from::
 
     from voicechat_jax import Engine, Server, ServeConfig, voicechat_11b
 
-    engine = Engine(params, voicechat_11b(), ServeConfig(slots=32), Precision.reference())
+    engine = Engine(params, voicechat_11b(), ServeConfig(slots=32))
     Server(engine).run(plans, n_ticks)
 
 ``ModelConfig`` / ``ServeConfig`` and the presets (``config``), the precision policies

@@ -13,6 +13,9 @@ import dataclasses
 import enum
 import math
 
+from voicechat_jax import precision as precision_lib
+from voicechat_jax.precision import Precision
+
 # Special token ids of the Nemotron text tokenizer (model-spec §2): <s>, </s>, <SPECIAL_12>.
 BOS_ID = 1
 EOS_ID = 2
@@ -401,12 +404,18 @@ class ServeConfig:
     ssm_kernel: SSMKernel = SSMKernel.XLA  # LLM Mamba step update
     deadline_ms: float | None = None  # default: the beat period
     capsule_tokens: int = 96  # U: room for a roll-over's conversation capsule (token ids)
+    # Dtypes and matmul precision (a ``Precision`` or a policy name of ``precision.POLICIES``);
+    # the params must be built or restored in the same policy.
+    precision: Precision = dataclasses.field(default_factory=Precision.reference)
 
     def __post_init__(self):
         _check(self.slots >= 1, "slots must be >= 1")
         _check(self.frames_per_tick >= 1, "frames_per_tick must be >= 1")
         _check(self.context_frames >= self.frames_per_tick, "context cap below one beat")
         _check(self.capsule_tokens >= 1, "capsule_tokens must be >= 1")
+        if isinstance(self.precision, str):
+            object.__setattr__(self, "precision", precision_lib.policy(self.precision))
+        _check(isinstance(self.precision, Precision), f"precision: {self.precision!r}")
         for field, cls in (
             ("at_cap", AtCap),
             ("speech_sampling", SpeechSampling),

@@ -26,7 +26,6 @@ from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ModelConfig, ServeConfig
 from voicechat_jax.model import voicechat
-from voicechat_jax.precision import Precision
 
 GIB = 2**30
 # Scratch kept free for the tick's activations, cuBLAS/cuDNN workspaces and the beat's I/O, as a
@@ -123,7 +122,6 @@ class Engine:
         params,
         cfg: ModelConfig,
         serve: ServeConfig,
-        precision: Precision,
         *,
         template: voicechat.FrameState | None = None,
         memory_limit_bytes: int | None = None,
@@ -132,7 +130,7 @@ class Engine:
         """Builds the template (unless given), checks the memory plan, allocates the state.
 
         Args:
-          template: a fresh-session state already built for this ``cfg``/``serve``/``precision``
+          template: a fresh-session state already built for this ``cfg`` and ``serve``
             (several engines of one process can share it); default: built here.
           memory_limit_bytes: the memory budget to plan against, instead of the device's own limit.
           mesh: a ``data`` mesh (``mesh.make_mesh``) to split the slots over: params and template
@@ -151,10 +149,10 @@ class Engine:
         self.params = params
         self.cfg = cfg
         self.serve = serve
-        self.precision = precision
+        self.precision = serve.precision  # the policy lives in ``serve``; kept here to read
         t = time.perf_counter()
         if template is None:
-            template = build_template(params, cfg, serve, precision)
+            template = build_template(params, cfg, serve)
         if mesh is not None:
             template = mesh_lib.put_replicated(template, mesh)
         self.template = template
@@ -195,9 +193,9 @@ class Engine:
         if self._tick is None:
             t = time.perf_counter()
             if self.mesh is None:
-                jitted = step_lib.make_tick(self.cfg, self.serve, self.precision)
+                jitted = step_lib.make_tick(self.cfg, self.serve)
             else:
-                jitted = mesh_lib.make_tick(self.cfg, self.serve, self.precision, self.mesh)
+                jitted = mesh_lib.make_tick(self.cfg, self.serve, self.mesh)
             self._tick = jitted.lower(
                 self.params, self.state, self.template, self.empty_beat()
             ).compile()
@@ -220,7 +218,7 @@ class Engine:
                 "through device 0); on a mesh use the dispatch loop"
             )
         t = time.perf_counter()
-        fn = step_lib.make_resident(self.cfg, self.serve, self.precision, next_beat, deliver)
+        fn = step_lib.make_resident(self.cfg, self.serve, next_beat, deliver)
         compiled = fn.lower(self.params, self.state, self.template, self.empty_beat()).compile()
         self.compile_s = time.perf_counter() - t
         _log_compiled("resident loop", compiled, self.memory)
@@ -249,11 +247,13 @@ def _log_compiled(name: str, compiled, plan: MemoryPlan) -> None:
     )
 
 
-def build_template(params, cfg: ModelConfig, serve: ServeConfig, precision: Precision):
+def build_template(params, cfg: ModelConfig, serve: ServeConfig):
     """The fresh-session state (batch 1) for a server configuration, jitted.
 
     Jitted because op by op the 11B template took ~60 s on an H200, mostly per-op compiles.
     """
+
+    precision = serve.precision
 
     def initial(p):
         with precision.scope():

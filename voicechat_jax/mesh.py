@@ -37,7 +37,6 @@ from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ModelConfig, ServeConfig
 from voicechat_jax.model import voicechat
-from voicechat_jax.precision import Precision
 
 DATA = "data"  # the mesh axis the slots are split over
 
@@ -128,7 +127,7 @@ def _state_builder(slots: int, mesh: Mesh) -> Callable:
     )
 
 
-def make_tick(cfg: ModelConfig, serve: ServeConfig, precision: Precision, mesh: Mesh) -> Callable:
+def make_tick(cfg: ModelConfig, serve: ServeConfig, mesh: Mesh) -> Callable:
     """The tick over ``mesh``: ``tick(params, state, template, beat)``, argument 1 donated.
 
     Each device runs ``step.tick`` on its ``B / n`` slots with the replicated weights and
@@ -138,10 +137,8 @@ def make_tick(cfg: ModelConfig, serve: ServeConfig, precision: Precision, mesh: 
     check_slots(serve.slots, mesh)
 
     def tick(params, state, template, beat):  # the name step.CompileCounter("tick") counts
-        with precision.scope():
-            return step_lib.tick(
-                params, state, template, beat, cfg=cfg, serve=serve, precision=precision
-            )
+        with serve.precision.scope():
+            return step_lib.tick(params, state, template, beat, cfg=cfg, serve=serve)
 
     per_device = shard_map(
         tick,

@@ -25,7 +25,6 @@ from jax.experimental import io_callback
 
 from voicechat_jax.config import PAD_ID, ModelConfig, ServeConfig
 from voicechat_jax.model import nano, voicechat
-from voicechat_jax.precision import Precision
 from voicechat_jax.state import BeatInput, BeatOutput, SessionState
 
 # jax.monitoring's event for each XLA compilation (its ``fun_name`` names the jitted function).
@@ -148,7 +147,6 @@ def tick(
     *,
     cfg: ModelConfig,
     serve: ServeConfig,
-    precision: Precision,
 ) -> tuple[SessionState, BeatOutput]:
     """Advance every slot by one beat, in place. Donates ``state`` when jitted (``make_tick``).
 
@@ -190,7 +188,7 @@ def tick(
         key,
         ran,
         cfg=cfg,
-        precision=precision,
+        precision=serve.precision,
         deterministic=serve.deterministic,
         attention=serve.attention,
         tts_attention=serve.tts_attention,
@@ -208,14 +206,14 @@ def tick(
     return new_state, out
 
 
-def make_tick(cfg: ModelConfig, serve: ServeConfig, precision: Precision) -> Callable:
+def make_tick(cfg: ModelConfig, serve: ServeConfig) -> Callable:
     """The jitted tick for one server configuration; argument 1 (the state) is donated."""
-    return jax.jit(_in_scope(tick, cfg=cfg, serve=serve, precision=precision), donate_argnums=(1,))
+    return jax.jit(_in_scope(tick, cfg=cfg, serve=serve), donate_argnums=(1,))
 
 
 def _in_scope(fn: Callable, **kw) -> Callable:
-    """``fn`` with ``kw`` bound, traced inside the precision policy's matmul scope."""
-    precision = kw["precision"]
+    """``fn`` with ``kw`` bound, traced inside ``serve.precision``'s matmul scope."""
+    precision = kw["serve"].precision
 
     @functools.wraps(fn)
     def scoped(*args):
@@ -235,7 +233,6 @@ def resident_loop(
     deliver: Callable[..., None],
     cfg: ModelConfig,
     serve: ServeConfig,
-    precision: Precision,
 ) -> SessionState:
     """Run ticks on the device until the host says stop; returns the final state.
 
@@ -250,7 +247,7 @@ def resident_loop(
 
     def body(carry):
         k, s, beat, _ = carry
-        s, out = tick(params, s, template, beat, cfg=cfg, serve=serve, precision=precision)
+        s, out = tick(params, s, template, beat, cfg=cfg, serve=serve)
         leaves, treedef = jax.tree_util.tree_flatten(out)
 
         def deliver_host(kk, *host_leaves):
@@ -273,14 +270,7 @@ def resident_loop(
     return state
 
 
-def make_resident(cfg: ModelConfig, serve: ServeConfig, precision: Precision, next_beat, deliver):
+def make_resident(cfg: ModelConfig, serve: ServeConfig, next_beat, deliver):
     """The jitted resident loop; the state (argument 1) is donated."""
-    fn = _in_scope(
-        resident_loop,
-        next_beat=next_beat,
-        deliver=deliver,
-        cfg=cfg,
-        serve=serve,
-        precision=precision,
-    )
+    fn = _in_scope(resident_loop, next_beat=next_beat, deliver=deliver, cfg=cfg, serve=serve)
     return jax.jit(fn, donate_argnums=(1,))

@@ -29,6 +29,12 @@ flags.DEFINE_integer("warmup_ticks", 5, "Ticks reported apart as warm-up.")
 flags.DEFINE_integer("context_frames", 256, "Context cap in frames (short context).")
 flags.DEFINE_enum("clock", "realtime", ["realtime", "offline"], "Beat clock.")
 flags.DEFINE_string("out", None, "JSON-lines output file.")
+flags.DEFINE_enum(
+    "at_cap",
+    "end",
+    [m.value for m in config_lib.AtCap],
+    "At the context cap: end the session, or keep it live (rollover, reset, memory).",
+)
 flags.DEFINE_enum("ssm_kernel", "xla", ["xla", "pallas"], "Mamba-2 decode SSM update.")
 flags.DEFINE_enum("attention", "xla", ["xla", "cudnn", "pallas"], "LLM decode attention.")
 flags.DEFINE_enum(
@@ -61,9 +67,11 @@ def make_engine(params, cfg, precision, sessions: int, template=None, **serve_kw
         ssm_kernel=FLAGS.ssm_kernel,
         attention=FLAGS.attention,
         tts_attention=FLAGS.tts_attention,
+        precision=precision,
+        at_cap=FLAGS.at_cap,
         **serve_kw,
     )
-    return Engine(params, cfg, serve, precision, template=template)
+    return Engine(params, cfg, serve, template=template)
 
 
 def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
@@ -93,8 +101,13 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "steady_ticks": s["ticks"],
         "p50_ms": lat["p50"],
         "p99_ms": lat["p99"],
+        "p99.9_ms": lat.get("p99.9"),
         "max_ms": lat["max"],
         "missed_ticks": s["missed_ticks"],
+        "ticks_skipped": s["ticks_skipped"],
+        "missed_by_cause": s["missed_by_cause"],
+        "skipped_by_cause": s["skipped_by_cause"],
+        "at_cap": FLAGS.at_cap,
         "warmup_max_ms": s["warmup"]["latency_ms"]["max"],
         "state_gib": round(engine.memory.state_bytes / 2**30, 2),
         "memory_gib": device_memory(),

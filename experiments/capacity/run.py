@@ -36,8 +36,16 @@ SESSION_GB = 1.1  # per session per frame-step at the 1,500-frame cap (serving-s
 
 def baseline(params, cfg, precision, template, ticks: int) -> dict:
     """A request server's way: one session per call. The 1-slot tick's time decides the count."""
-    serve = config_lib.ServeConfig(slots=1, frames_per_tick=2, context_frames=FLAGS.context_frames)
-    engine = Engine(params, cfg, serve, precision, template=template)
+    serve = config_lib.ServeConfig(
+        slots=1,
+        frames_per_tick=2,
+        context_frames=FLAGS.context_frames,
+        ssm_kernel=FLAGS.ssm_kernel,
+        attention=FLAGS.attention,
+        tts_attention=FLAGS.tts_attention,
+        precision=precision,
+    )
+    engine = Engine(params, cfg, serve, template=template)
     engine.compile_tick()
     times = beat_latency.tick_times(engine, ticks)
     period = serve.beat_ms

@@ -177,12 +177,15 @@ def main(argv):
     precision = Precision.fp32() if precision_name == "fp32" else Precision.reference()
     serve_kwargs = {"ssm_kernel": FLAGS.ssm_kernel, "at_cap": FLAGS.at_cap}
     serve = config_lib.ServeConfig(
-        slots=FLAGS.sessions, context_frames=FLAGS.context_frames, **serve_kwargs
+        slots=FLAGS.sessions,
+        context_frames=FLAGS.context_frames,
+        precision=precision,
+        **serve_kwargs,
     )
     t = time.perf_counter()
     params = voicechat.init(jax.random.key(0), cfg, precision)
     jax.block_until_ready(params)
-    engine = Engine(params, cfg, serve, precision)
+    engine = Engine(params, cfg, serve)
     logging.info("engine built in %.1f s", time.perf_counter() - t)
     rows = []
     policies = ["python default"] if _legacy() else FLAGS.gc_policies

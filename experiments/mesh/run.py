@@ -121,7 +121,7 @@ def _beat_struct(beat, rows: int | None = None):
 def run_resident(engine: Engine, beats, *, per_device: bool) -> tuple[dict, np.ndarray]:
     """The resident loop over ``engine``'s devices; on a mesh built here around the sharded tick."""
     engine.reset()
-    cfg, serve, precision, mesh = engine.cfg, engine.serve, engine.precision, engine.mesh
+    cfg, serve, mesh = engine.cfg, engine.serve, engine.mesh
     n = len(beats)
     lock = threading.Lock()
     stamps: list[float] = []
@@ -143,7 +143,7 @@ def run_resident(engine: Engine, beats, *, per_device: bool) -> tuple[dict, np.n
 
     t = time.perf_counter()
     if mesh is None:
-        fn = step_lib.make_resident(cfg, serve, precision, next_beat, deliver)
+        fn = step_lib.make_resident(cfg, serve, next_beat, deliver)
         args = (engine.params, engine.state, engine.template, beats[0])
     else:
         fn = _mesh_resident(engine, next_beat, deliver, per_device=per_device, rows=rows)
@@ -167,7 +167,7 @@ def _mesh_resident(engine: Engine, next_beat, deliver, *, per_device: bool, rows
     stop_struct = jax.ShapeDtypeStruct((), jnp.bool_)
 
     def local_tick(params, s, template, beat):
-        return step_lib.tick(params, s, template, beat, cfg=cfg, serve=serve, precision=precision)
+        return step_lib.tick(params, s, template, beat, cfg=cfg, serve=serve)
 
     specs = (P(), P(mesh_lib.DATA), P(), P(mesh_lib.DATA))
     tick = (
@@ -222,7 +222,7 @@ def _mesh_resident(engine: Engine, next_beat, deliver, *, per_device: bool, rows
 def gspmd_collectives(engine: Engine) -> dict:
     """Collectives of the plain tick compiled over the mesh, the state only annotated."""
     cfg, serve, precision, mesh = engine.cfg, engine.serve, engine.precision, engine.mesh
-    fn = functools.partial(step_lib.tick, cfg=cfg, serve=serve, precision=precision)
+    fn = functools.partial(step_lib.tick, cfg=cfg, serve=serve)
 
     def scoped(*args):
         with precision.scope():
@@ -306,9 +306,10 @@ def main(argv):
             slots=n * FLAGS.slots_per_device,
             frames_per_tick=2,
             context_frames=FLAGS.context_frames,
+            precision=precision,
         )
         mesh = None if n == 1 else mesh_lib.make_mesh(n)
-        engine = Engine(params, cfg, serve, precision, template=template, mesh=mesh)
+        engine = Engine(params, cfg, serve, template=template, mesh=mesh)
         if template is None:
             template = engine.template
         beats = scripted_beats(engine, FLAGS.beats)

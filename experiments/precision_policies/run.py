@@ -38,9 +38,12 @@ def run_policy(params32, cfg, precision: Precision) -> dict[str, np.ndarray]:
         lambda a, r: a.astype(r.dtype), params32, _abstract(cfg, precision)
     )
     serve = config_lib.ServeConfig(
-        slots=FLAGS.sessions, frames_per_tick=2, context_frames=FLAGS.frames + 2
+        slots=FLAGS.sessions,
+        frames_per_tick=2,
+        context_frames=FLAGS.frames + 2,
+        precision=precision,
     )
-    engine = Engine(params, cfg, serve, precision)
+    engine = Engine(params, cfg, serve)
     speech = audio_lib.read_wav(SPEECH)
     n = FLAGS.frames * 1280
     speech = np.pad(speech, (0, max(0, n - speech.size)))[:n]

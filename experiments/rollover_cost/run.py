@@ -47,8 +47,9 @@ def measure(params, cfg, precision, sessions: int, rolled: int) -> dict:
         context_frames=FLAGS.context_frames,
         capsule_tokens=FLAGS.capsule_tokens,
         at_cap="memory",
+        precision=precision,
     )
-    engine = Engine(params, cfg, serve, precision)
+    engine = Engine(params, cfg, serve)
     engine.compile_tick()
     rng = np.random.default_rng(0)
     rolled = min(rolled, sessions)

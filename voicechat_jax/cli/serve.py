@@ -30,6 +30,7 @@ import time
 from absl import app, flags, logging
 
 from voicechat_jax import config as config_lib
+from voicechat_jax import precision as precision_lib
 from voicechat_jax.serving import runner
 
 EXIT_OK = 0
@@ -74,7 +75,9 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_bool("churn", False, "Sessions join and leave at random times.")
 flags.DEFINE_integer("seed", 0, "Seed for random weights, churn and sampling keys.")
-flags.DEFINE_enum("precision", "reference", ["reference", "fp32"], "Dtype policy.")
+flags.DEFINE_enum(
+    "precision", "reference", list(precision_lib.POLICIES), "Precision policy (dtypes, matmuls)."
+)
 flags.DEFINE_integer("warmup_ticks", 3, "Ticks reported as warm-up, apart from steady state.")
 flags.DEFINE_enum(
     "ssm_kernel", "xla", ["xla", "pallas"], "Mamba-2 decode SSM update (pallas: in place)."
@@ -238,6 +241,7 @@ def options_from_flags() -> runner.RunOptions:
         tts_attention=FLAGS.tts_attention,
         ssm_kernel=FLAGS.ssm_kernel,
         deadline_ms=FLAGS.deadline_ms,
+        precision=FLAGS.precision,
     )
     return runner.RunOptions(
         serve=serve,
@@ -251,7 +255,6 @@ def options_from_flags() -> runner.RunOptions:
         clock=FLAGS.clock,
         churn=FLAGS.churn,
         seed=FLAGS.seed,
-        precision=FLAGS.precision,
         warmup_ticks=FLAGS.warmup_ticks,
         gc_policy=FLAGS.gc_policy,
     )

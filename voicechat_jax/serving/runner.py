@@ -20,7 +20,6 @@ from absl import logging
 from voicechat_jax import config as config_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.model import voicechat
-from voicechat_jax.precision import Precision
 from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving.metrics import format_table
 from voicechat_jax.serving.server import Engine, Server, SessionPlan
@@ -47,7 +46,6 @@ class RunOptions:
     clock: str = "realtime"
     churn: bool = False
     seed: int = 0
-    precision: str = "reference"
     warmup_ticks: int = 3
     checkpoint: str | None = None
     gc_policy: str = "slack"
@@ -111,11 +109,12 @@ def plans_for(
 
 
 def build(options: RunOptions):
-    """The model config, params, serve config, precision and tokenizer of a run.
+    """The model config, params, serve config and tokenizer of a run (params in the precision
+    policy of ``options.serve.precision``).
 
     A converted checkpoint that cannot be restored raises ``checkpoint.CheckpointError``.
     """
-    precision = Precision.fp32() if options.precision == "fp32" else Precision.reference()
+    precision = options.serve.precision
     if options.checkpoint:
         from voicechat_jax import checkpoint as ckpt  # converted checkpoints (voicechat-convert)
 
@@ -127,7 +126,7 @@ def build(options: RunOptions):
         cfg = config_lib.PRESETS[options.model]()
         params = voicechat.init(jax.random.key(options.seed), cfg, precision)
         tokenizer = None
-    return cfg, params, options.serve, precision, tokenizer
+    return cfg, params, options.serve, tokenizer
 
 
 def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResult:
@@ -138,13 +137,13 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
     files are closed; then this returns as a finished run does.
     """
     os.makedirs(options.output_dir, exist_ok=True)
-    cfg, params, serve, precision, tokenizer = build(options)
+    cfg, params, serve, tokenizer = build(options)
     n_ticks = options.n_ticks
     inputs = _load_inputs(options.input_wavs, options.sessions)
     plans, failures = plans_for(options, n_ticks, inputs)
     compiles = step_lib.CompileCounter("tick")
     with compiles:
-        engine = Engine(params, cfg, serve, precision)
+        engine = Engine(params, cfg, serve)
         # Line-buffered: each tick's line reaches the file as it is recorded (by the writer thread).
         with open(os.path.join(options.output_dir, "metrics.jsonl"), "w", buffering=1) as sink:
             server = Server(
