@@ -350,7 +350,10 @@ def mamba_step(
         cost["cost_estimate"] = pl.CostEstimate(
             flops=Bsz * N * H * P * 6 + Bsz * C * 2 * (km1 + 1) * (1 + n_sub),
             transcendentals=Bsz * (C + 2 * NH + 2 * N),
-            bytes_accessed=state + 2 * conv[:, j].nbytes + zxbcdt.nbytes + Bsz * NH * 14,
+            bytes_accessed=state
+            + 2 * Bsz * km1 * C * conv.dtype.itemsize
+            + zxbcdt.nbytes
+            + Bsz * NH * 14,
         )
     new_conv, new_ssm, y, _, _, _ = pl.pallas_call(
         kernel,

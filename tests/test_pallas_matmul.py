@@ -166,7 +166,7 @@ def test_default_tiling_fills_the_gpu():
 
 @pytest.mark.parametrize("R", [1, 112])
 def test_gpu_lowering_is_one_triton_call_on_the_stacked_weight(R):
-    """At the 11B MLP up projection (24 stacked layers, 3.4 GB bf16) the product lowers to one
+    """At the 11B MLP up projection (25 stacked layers, 3.5 GB bf16) the product lowers to one
     Triton call whose weight operand is the stacked parameter itself: no slice of it is
     materialised. Lowering only: nothing runs, nothing is allocated."""
     cfg = voicechat_11b().llm
