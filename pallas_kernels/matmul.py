@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 
 import jax
 import jax.numpy as jnp
@@ -106,32 +107,53 @@ class MatmulBlocks:
 def default_split(R: int, D: int, F: int, w_itemsize: int, blocks: MatmulBlocks) -> int:
     """How many programs share D: enough for ``_TARGET_PROGRAMS`` in all, within the budget.
 
-    One split when the column blocks alone fill the GPU; otherwise as many as keep each split at
-    least ``_MIN_SPLIT_STEPS`` loop steps long and the fp32 partials (written once, read once by
-    the sum: ``2 * n_split * R * F * 4`` bytes) under ``_MAX_PARTIAL_FRACTION`` of the weight.
+    One split when the column blocks alone fill the GPU. Otherwise the count nearest the wanted
+    one that keeps each split at least ``_MIN_SPLIT_STEPS`` loop steps long and the fp32 partials
+    (written once, read once by the sum: ``2 * n_split * R * F * 4`` bytes) under
+    ``_MAX_PARTIAL_FRACTION`` of the weight; among those, a count that divides D's blocks evenly
+    is preferred (then no load is masked along D), if one is within a factor of two of it.
     """
     n_cols = pl.cdiv(F, blocks.block_f) * pl.cdiv(R, _block_r(R))
     if n_cols >= _TARGET_PROGRAMS:
         return 1
+    n_d = pl.cdiv(D, blocks.block_d)
     want = pl.cdiv(_TARGET_PROGRAMS, n_cols)
-    by_steps = max(1, pl.cdiv(D, blocks.block_d) // _MIN_SPLIT_STEPS)
+    by_steps = max(1, n_d // _MIN_SPLIT_STEPS)
     by_bytes = max(1, int(_MAX_PARTIAL_FRACTION * D * w_itemsize / (8 * R)))
-    return max(1, min(want, by_steps, by_bytes))
+    split = max(1, min(want, by_steps, by_bytes))
+    if D % blocks.block_d == 0:
+        even = [s for s in range(1, min(by_steps, by_bytes) + 1) if n_d % s == 0]
+        best = min(even, key=lambda s: abs(math.log(s / split)))
+        if 2 * best >= split:
+            return best
+    return split
 
 
 def _block_r(R: int) -> int:
     return max(_DOT_MIN, min(_MAX_BLOCK_R, pl.next_power_of_2(R)))
 
 
-def default_blocks(R: int, D: int, F: int, w_dtype) -> MatmulBlocks:
+def default_blocks(R: int, D: int, F: int, w_dtype, *, fma: bool = False) -> MatmulBlocks:
     """The tiling used when none is given.
 
     A weight tile of 16 KiB per pipeline stage ([64, 128] bf16, [32, 128] fp32), 64 columns wide
-    instead when 128-wide column blocks would not give every SM one; D split by ``default_split``.
+    (and twice as deep) when 128-wide column blocks would not give every SM one; half as deep
+    when that divides D and the full depth does not (no masked loads along D); D split by
+    ``default_split``. 8 warps once the fp32 accumulator would take more than 32 registers per
+    thread of 4 warps (spills otherwise: ptxas for sm_90 on the 11B shapes). ``fma``: full-fp32
+    products, which Triton runs on the FMA units with the operands in registers: 32 columns at 64
+    rows or more, to stay clear of spills.
     """
     itemsize = jnp.dtype(w_dtype).itemsize
-    block_f = 128 if pl.cdiv(F, 128) * pl.cdiv(R, _block_r(R)) >= _SMS else 64
-    base = MatmulBlocks(block_f=block_f, block_d=(64 if itemsize <= 2 else 32) * 128 // block_f)
+    bR = _block_r(R)
+    block_f = 128 if pl.cdiv(F, 128) * pl.cdiv(R, bR) >= _SMS else 64
+    block_d = (64 if itemsize <= 2 else 32) * 128 // block_f
+    if fma and bR >= 64:
+        block_f, block_d = 32, 32
+    if D % block_d and D % (block_d // 2) == 0:
+        block_d //= 2
+    num_warps = 8 if bR * block_f >= 4096 else 4
+    base = MatmulBlocks(block_f=block_f, block_d=block_d, num_warps=num_warps)
     return dataclasses.replace(base, split_d=default_split(R, D, F, itemsize, base))
 
 
@@ -270,9 +292,9 @@ def matmul(
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if R == 0:
         return jnp.zeros((*lead, F), out_dtype)
-    if blocks is None:
-        blocks = default_blocks(R, D, F, w.dtype)
     dot_precision = _dot_precision(precision, x.dtype)
+    if blocks is None:
+        blocks = default_blocks(R, D, F, w.dtype, fma=dot_precision == _HIGHEST)
     bR = _block_r(R)
     split = blocks.split_d or default_split(R, D, F, jnp.dtype(w.dtype).itemsize, blocks)
     steps = pl.cdiv(pl.cdiv(D, blocks.block_d), split)

@@ -54,8 +54,8 @@ flags.DEFINE_list("sweep_shapes", ["mlp_down", "mamba_in"], "Shapes of the tilin
 flags.DEFINE_list("sweep_rows", ["1", "56", "112"], "Row counts of the tiling sweep.")
 flags.DEFINE_list(
     "sweep_blocks",
-    ["64:128:1:4:3", "64:128:2:4:3", "64:128:4:4:3", "64:128:8:4:3", "128:64:0:4:3",
-     "256:32:0:4:3", "64:128:0:8:3", "64:128:0:4:4", "64:64:0:4:4"],
+    ["64:64:1:4:3", "64:64:5:4:3", "64:64:7:4:3", "64:64:0:4:4", "64:64:0:8:3", "128:64:0:4:3",
+     "128:64:0:8:3", "256:32:0:8:3", "32:128:0:4:3"],
     "Tilings block_f:block_d:split_d:num_warps:num_stages (split_d 0: the default's).",
 )  # fmt: skip
 flags.DEFINE_float("copy_gib", 4.0, "Size of the device-copy reference (0: skip).")
