@@ -373,7 +373,15 @@ class SSMKernel(enum.StrEnum):
     """The LLM's Mamba-2 decode update."""
 
     XLA = "xla"  # jnp
-    PALLAS = "pallas"  # the in-place Pallas kernel
+    PALLAS = "pallas"  # the in-place Pallas kernel (the SSM update alone)
+    FUSED = "fused"  # one Pallas kernel per layer: conv, SSM update and gated norm, in place
+
+
+class ProjectionImpl(enum.StrEnum):
+    """The LLM's large decode-step projections (MLP up/down, Mamba in/out)."""
+
+    XLA = "xla"  # XLA's dot (``common.dense``)
+    PALLAS = "pallas"  # pallas_kernels.matmul (weight-streaming Triton kernel)
 
 
 def _choice(cls: type[enum.StrEnum], value, field: str):
@@ -402,6 +410,7 @@ class ServeConfig:
     attention: AttentionImpl = AttentionImpl.XLA  # LLM decode attention ('cudnn': bf16 KV only)
     tts_attention: AttentionImpl | None = None  # speech decoder's; None: as ``attention``
     ssm_kernel: SSMKernel = SSMKernel.XLA  # LLM Mamba step update
+    projection: ProjectionImpl = ProjectionImpl.XLA  # LLM MLP and Mamba projections
     deadline_ms: float | None = None  # default: the beat period
     capsule_tokens: int = 96  # U: room for a roll-over's conversation capsule (token ids)
     # Dtypes and matmul precision (a ``Precision`` or a policy name of ``precision.POLICIES``);
@@ -422,6 +431,7 @@ class ServeConfig:
             ("attention", AttentionImpl),
             ("tts_attention", AttentionImpl),
             ("ssm_kernel", SSMKernel),
+            ("projection", ProjectionImpl),
         ):
             value = getattr(self, field)
             if value is not None or field != "tts_attention":

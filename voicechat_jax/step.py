@@ -193,6 +193,7 @@ def tick(
         attention=serve.attention,
         tts_attention=serve.tts_attention,
         ssm_kernel=serve.ssm_kernel,
+        projection=serve.projection,
     )
     new_state = SessionState(model=model, active=active, key=key)
     out = BeatOutput(

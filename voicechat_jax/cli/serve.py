@@ -80,7 +80,16 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_integer("warmup_ticks", 3, "Ticks reported as warm-up, apart from steady state.")
 flags.DEFINE_enum(
-    "ssm_kernel", "xla", ["xla", "pallas"], "Mamba-2 decode SSM update (pallas: in place)."
+    "ssm_kernel",
+    "xla",
+    [m.value for m in config_lib.SSMKernel],
+    "Mamba-2 decode update (pallas: the SSM update in place; fused: conv, SSM and norm in one).",
+)
+flags.DEFINE_enum(
+    "projection",
+    "xla",
+    [m.value for m in config_lib.ProjectionImpl],
+    "LLM MLP and Mamba projections (pallas: the weight-streaming kernel).",
 )
 flags.DEFINE_enum("attention", "xla", ["xla", "cudnn", "pallas"], "LLM decode attention.")
 flags.DEFINE_enum(
@@ -240,6 +249,7 @@ def options_from_flags() -> runner.RunOptions:
         attention=FLAGS.attention,
         tts_attention=FLAGS.tts_attention,
         ssm_kernel=FLAGS.ssm_kernel,
+        projection=FLAGS.projection,
         deadline_ms=FLAGS.deadline_ms,
         precision=FLAGS.precision,
     )

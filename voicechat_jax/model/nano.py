@@ -48,10 +48,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels.mamba_step import mamba_step
 from pallas_kernels.ssm_step import ssm_step, ssm_step_reference
 from voicechat_jax.config import LLMConfig
 from voicechat_jax.model.attention import attend
 from voicechat_jax.model.common import dense, fan_in_normal, normal, rms_norm
+from voicechat_jax.model.projection import matmul
 from voicechat_jax.precision import Precision
 
 F32 = jnp.float32
@@ -59,7 +61,8 @@ F32 = jnp.float32
 # reduced-precision passes (TF32 / bf16) on accelerators.
 _SSM_PRECISION = jax.lax.Precision.HIGHEST
 DEFAULT_CHUNK = 64  # SSD chunk length of ``prefill`` (any value gives the same result)
-SSM_KERNELS = ("xla", "pallas")  # implementations of ``step``'s recurrent SSM update
+SSM_KERNELS = ("xla", "pallas", "fused")  # implementations of ``step``'s Mamba update
+PROJECTIONS = ("xla", "pallas")  # implementations of ``step``'s MLP and Mamba projections
 
 
 @struct.dataclass
@@ -292,19 +295,36 @@ def _gated_norm(y: jax.Array, z: jax.Array, w: jax.Array, cfg: LLMConfig) -> jax
     return w.astype(act) * g.reshape(*lead, -1).astype(act)
 
 
-def _mamba_step(p: MambaParams, j: int, h, conv, ssm, run, cfg: LLMConfig, ssm_kernel: str = "xla"):
+def _mamba_step(
+    p: MambaParams,
+    j: int,
+    h,
+    conv,
+    ssm,
+    run,
+    cfg: LLMConfig,
+    ssm_kernel: str = "xla",
+    projection: str = "xla",
+):
     """One frame of Mamba layer j (``mamba2_selective_state_update``), masked by ``run``.
 
     h [B, D] normed input; conv [B, k-1, C] and ssm [B, N, H, P] layer j's conv and SSM state;
     run [B] bool, the rows that advance. ``ssm_kernel`` picks the recurrent update: 'xla' (the
-    jnp reference) or 'pallas' (``pallas_kernels.ssm_step``, the state updated in place). A row
+    jnp reference) or 'pallas' (``pallas_kernels.ssm_step``, the state updated in place); the
+    fused kernel takes the stacked conv state instead (``_mamba_step_fused``). ``projection``
+    picks in_proj's and out_proj's implementation (``model.projection``). A row
     that does not run gets dt = 0, so its SSM update is the identity (decay exp(0) = 1, input
     term 0) and its state comes back unchanged without a select over the state; its conv state is
     kept by a select (small). Returns (conv, ssm, out [B, D]).
     """
+    if ssm_kernel not in ("xla", "pallas"):
+        raise ValueError(
+            f"_mamba_step runs 'xla' or 'pallas' (fused: _mamba_step_fused): {ssm_kernel!r}"
+        )
     act = h.dtype
     B = h.shape[0]
-    z, xbc, dt_raw = _split_in_proj(dense(h, p.in_proj[j]), cfg)
+    zxbcdt = matmul(h, p.in_proj, layer=j, impl=projection)
+    z, xbc, dt_raw = _split_in_proj(zxbcdt, cfg)
     window = jnp.concatenate([conv.astype(F32), xbc[:, None].astype(F32)], axis=1)  # [B, k, C]
     xbc = jnp.einsum("bkc,kc->bc", window, p.conv_w[j].astype(F32)) + p.conv_b[j].astype(F32)
     xbc = jax.nn.silu(xbc).astype(act)
@@ -328,9 +348,38 @@ def _mamba_step(p: MambaParams, j: int, h, conv, ssm, run, cfg: LLMConfig, ssm_k
     else:
         ssm, y = ssm_step_reference(ssm, *args)
     y = _gated_norm(y.reshape(B, -1).astype(act), z, p.gate_norm[j], cfg)
-    out = dense(y, p.out_proj[j])
+    out = matmul(y, p.out_proj, layer=j, impl=projection)
     new_conv = jnp.where(run[:, None, None], window[:, 1:], conv.astype(F32))
     return new_conv.astype(conv.dtype), ssm, out
+
+
+def _mamba_step_fused(p: MambaParams, j: int, h, conv, ssm, run, cfg: LLMConfig, projection: str):
+    """``_mamba_step`` with conv, SSM update and gated norm in one kernel, states in place.
+
+    ``pallas_kernels.mamba_step`` between the two projections. conv [B, L_m, k-1, C] is the whole
+    stacked conv state (layer j's rows are updated in place, no slice copied out and back); a row
+    that does not run is skipped by the kernel (state untouched, out meaningless). Returns
+    (conv, ssm, out [B, D]).
+    """
+    zxbcdt = matmul(h, p.in_proj, layer=j, impl=projection)
+    conv, ssm, y = mamba_step(
+        zxbcdt,
+        conv,
+        ssm,
+        p.conv_w,
+        p.conv_b,
+        p.dt_bias,
+        p.A_log,
+        p.D,
+        p.gate_norm,
+        run,
+        layer=j,
+        n_groups=cfg.n_groups,
+        eps=cfg.norm_eps,
+        # No CPU lowering: the kernel runs in the Pallas interpreter there (trace time).
+        interpret=jax.default_backend() == "cpu",
+    )
+    return conv, ssm, matmul(y, p.out_proj, layer=j, impl=projection)
 
 
 def _segsum(a: jax.Array) -> jax.Array:
@@ -426,9 +475,10 @@ def _mamba_prefill(p: MambaParams, j: int, h, conv, ssm, valid, lengths, cfg, ch
 # ----------------------------------------------------------------------------- MLP and attention
 
 
-def _mlp(p: MLPParams, j: int, h: jax.Array) -> jax.Array:
-    """``NemotronHMLP``: down(relu(up(h))**2), h [..., D] -> [..., D]."""
-    return dense(jnp.square(jax.nn.relu(dense(h, p.up[j]))), p.down[j])
+def _mlp(p: MLPParams, j: int, h: jax.Array, projection: str = "xla") -> jax.Array:
+    """``NemotronHMLP``: down(relu(up(h))**2), h [..., D] -> [..., D] (``model.projection``)."""
+    up = matmul(h, p.up, layer=j, impl=projection)
+    return matmul(jnp.square(jax.nn.relu(up)), p.down, layer=j, impl=projection)
 
 
 def _attend(q, keys, values, mask):
@@ -555,6 +605,7 @@ def step(
     cfg: LLMConfig,
     ssm_kernel: str = "xla",
     attention: str = "xla",
+    projection: str = "xla",
 ) -> tuple[NanoState, jax.Array]:
     """Advance the slots in ``run`` by one frame (the recurrent path), in place.
 
@@ -567,15 +618,21 @@ def step(
         state bit-identical (each update masks itself: dt = 0, dropped KV rows, selects on the
         small leaves); their hidden state is computed but meaningless.
       cfg: the LLM config (static).
-      ssm_kernel: the Mamba recurrent update (static): 'xla' (jnp) or 'pallas' (the
-        ``pallas_kernels.ssm_step`` kernel, state updated in place; interpreted on the CPU).
+      ssm_kernel: the Mamba recurrent update (static): 'xla' (jnp), 'pallas' (the
+        ``pallas_kernels.ssm_step`` kernel, state updated in place) or 'fused' (conv, SSM update
+        and gated norm in one ``pallas_kernels.mamba_step`` kernel per layer, conv and SSM state
+        in place, idle slots skipped); the kernels are interpreted on the CPU.
       attention: the attention layers' decode implementation (static, ``attention.attend``).
+      projection: the MLP and Mamba projections (static): 'xla' (XLA's dot) or 'pallas'
+        (``pallas_kernels.matmul``, weight-streaming; ``model.projection``).
 
     Returns:
       The new state (``length + run``) and the final hidden state (after ``norm_f``) [B, D], fp32.
     """
     if ssm_kernel not in SSM_KERNELS:
         raise ValueError(f"ssm_kernel must be one of {SSM_KERNELS}: {ssm_kernel!r}")
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be one of {PROJECTIONS}: {projection!r}")
     B = embeds.shape[0]
     run = jnp.ones((B,), bool) if run is None else run
     act = params.embed.dtype
@@ -585,12 +642,17 @@ def step(
     for kind, j in _layer_slots(cfg):
         if kind == "M":
             h = _block_norm(params.mamba.norm[j], x, act, cfg)
-            c_j, ssm[j], out = _mamba_step(
-                params.mamba, j, h, conv[:, j], ssm[j], run, cfg, ssm_kernel
-            )
-            conv = conv.at[:, j].set(c_j)
+            if ssm_kernel == "fused":
+                conv, ssm[j], out = _mamba_step_fused(
+                    params.mamba, j, h, conv, ssm[j], run, cfg, projection
+                )
+            else:
+                c_j, ssm[j], out = _mamba_step(
+                    params.mamba, j, h, conv[:, j], ssm[j], run, cfg, ssm_kernel, projection
+                )
+                conv = conv.at[:, j].set(c_j)
         elif kind == "-":
-            out = _mlp(params.mlp, j, _block_norm(params.mlp.norm[j], x, act, cfg))
+            out = _mlp(params.mlp, j, _block_norm(params.mlp.norm[j], x, act, cfg), projection)
         else:
             h = _block_norm(params.attn.norm[j], x, act, cfg)
             kc[j], vc[j], out = _attn(

@@ -99,16 +99,25 @@ def listen_frame(
     cfg,
     ssm_kernel="xla",
     attention="xla",
+    projection="xla",
 ):
     """One LLM frame: input sum, Nano step, greedy heads (``DuplexSTTStreamingInference``).
 
-    ``run`` [B] bool masks the state update (``nano.step``); ``ssm_kernel`` ('xla' | 'pallas')
-    and ``attention`` ('xla' | 'cudnn' | 'pallas'), both static, pick the Mamba step update and
-    the attention layers' implementation.
+    ``run`` [B] bool masks the state update (``nano.step``); ``ssm_kernel`` ('xla' | 'pallas' |
+    'fused'), ``attention`` ('xla' | 'cudnn' | 'pallas') and ``projection`` ('xla' | 'pallas'),
+    all static, pick the Mamba step update, the attention layers' implementation and the MLP and
+    Mamba projections'.
     """
     e = nano.input_embedding(params.llm, text_prev, func_prev, audio_proj, cfg=cfg.llm)
     llm_state, h = nano.step(
-        params.llm, llm_state, e, run, cfg=cfg.llm, ssm_kernel=ssm_kernel, attention=attention
+        params.llm,
+        llm_state,
+        e,
+        run,
+        cfg=cfg.llm,
+        ssm_kernel=ssm_kernel,
+        attention=attention,
+        projection=projection,
     )
     text, func = nano.greedy(params.llm, h)
     return llm_state, text, func, h
@@ -140,6 +149,7 @@ def advance(
     attention: str = "xla",
     tts_attention: str | None = None,
     ssm_kernel: str = "xla",
+    projection: str = "xla",
 ) -> tuple[FrameState, FrameOutputs]:
     """Advance the rows in ``run`` by ``T = audio.shape[1] // 1280`` frames, in place.
 
@@ -155,7 +165,10 @@ def advance(
         (``ServeConfig.attention``, ``model.attention``).
       tts_attention: the speech decoder's, the same choices; None: as ``attention``
         (``ServeConfig.tts_attention``).
-      ssm_kernel: the LLM's Mamba step update, 'xla' | 'pallas' (``ServeConfig.ssm_kernel``).
+      ssm_kernel: the LLM's Mamba step update, 'xla' | 'pallas' | 'fused'
+        (``ServeConfig.ssm_kernel``).
+      projection: the LLM's MLP and Mamba projections, 'xla' | 'pallas'
+        (``ServeConfig.projection``).
     """
     B = audio.shape[0]
     run = jnp.ones((B,), bool) if run is None else run
@@ -182,6 +195,7 @@ def advance(
             cfg=cfg,
             ssm_kernel=ssm_kernel,
             attention=attention,
+            projection=projection,
         )
         frame_keys = None if deterministic else _frame_keys(key, frame)
         tts_state, codes, dec_codes = ear_tts.tts_step(
