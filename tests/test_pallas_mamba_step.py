@@ -273,7 +273,9 @@ def test_tick_reaches_the_kernel_through_serve_config():
     """The tick traced with ``ServeConfig(ssm_kernel='fused')``: one kernel per Mamba layer per
     frame of the frame scan, and no separate SSM kernel (abstract values, nothing runs)."""
     cfg, prec = tiny(), Precision.fp32()
-    serve = ServeConfig(slots=2, frames_per_tick=2, context_frames=8, ssm_kernel="fused")
+    serve = ServeConfig(
+        slots=2, frames_per_tick=2, context_frames=8, ssm_kernel="fused", precision=prec
+    )
     params = voicechat.abstract(cfg, prec)
     template = jax.eval_shape(
         lambda p: voicechat.initial_state(p, cfg=cfg, precision=prec, max_len=8), params
@@ -282,7 +284,7 @@ def test_tick_reaches_the_kernel_through_serve_config():
     beat = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state_lib.empty_beat(2, 2 * 1280)
     )
-    tick = functools.partial(step_lib.tick, cfg=cfg, serve=serve, precision=prec)
+    tick = functools.partial(step_lib.tick, cfg=cfg, serve=serve)
     text = str(jax.make_jaxpr(tick)(params, state, template, beat))
     assert text.count("pallas_call[") == len(cfg.llm.layers_of("M"))
     assert text.count("name=mamba_step") == len(cfg.llm.layers_of("M"))

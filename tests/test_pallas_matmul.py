@@ -227,7 +227,9 @@ def test_tick_reaches_the_kernel_through_serve_config(impl):
     """The tick traced with ``ServeConfig(projection=...)``: two kernels per Mamba layer and two
     per MLP layer with 'pallas', none with 'xla' (abstract values, nothing runs)."""
     cfg, prec = tiny(), Precision.fp32()
-    serve = ServeConfig(slots=2, frames_per_tick=2, context_frames=8, projection=impl)
+    serve = ServeConfig(
+        slots=2, frames_per_tick=2, context_frames=8, projection=impl, precision=prec
+    )
     params = voicechat.abstract(cfg, prec)
     template = jax.eval_shape(
         lambda p: voicechat.initial_state(p, cfg=cfg, precision=prec, max_len=8), params
@@ -236,7 +238,7 @@ def test_tick_reaches_the_kernel_through_serve_config(impl):
     beat = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state_lib.empty_beat(2, 2 * 1280)
     )
-    tick = functools.partial(step_lib.tick, cfg=cfg, serve=serve, precision=prec)
+    tick = functools.partial(step_lib.tick, cfg=cfg, serve=serve)
     text = str(jax.make_jaxpr(tick)(params, state, template, beat))
     per_frame = 2 * len(cfg.llm.layers_of("M")) + 2 * len(cfg.llm.layers_of("-"))
     assert text.count("pallas_call[") == (per_frame if impl == "pallas" else 0)

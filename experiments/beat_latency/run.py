@@ -35,7 +35,12 @@ flags.DEFINE_enum(
     [m.value for m in config_lib.AtCap],
     "At the context cap: end the session, or keep it live (rollover, reset, memory).",
 )
-flags.DEFINE_enum("ssm_kernel", "xla", ["xla", "pallas"], "Mamba-2 decode SSM update.")
+flags.DEFINE_enum(
+    "ssm_kernel", "xla", [m.value for m in config_lib.SSMKernel], "Mamba-2 decode update."
+)
+flags.DEFINE_enum(
+    "projection", "xla", [m.value for m in config_lib.ProjectionImpl], "LLM projections."
+)
 flags.DEFINE_enum("attention", "xla", ["xla", "cudnn", "pallas"], "LLM decode attention.")
 flags.DEFINE_enum(
     "tts_attention", None, ["xla", "cudnn", "pallas"], "Speech decoder's (default: as --attention)."
@@ -69,6 +74,7 @@ def make_engine(params, cfg, precision, sessions: int, template=None, **serve_kw
         tts_attention=FLAGS.tts_attention,
         precision=precision,
         at_cap=FLAGS.at_cap,
+        projection=FLAGS.projection,
         **serve_kw,
     )
     return Engine(params, cfg, serve, template=template)
@@ -93,6 +99,7 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "ssm_kernel": FLAGS.ssm_kernel,
         "attention": FLAGS.attention,
         "tts_attention": FLAGS.tts_attention or FLAGS.attention,
+        "projection": FLAGS.projection,
         "sessions": sessions,
         "context_frames": FLAGS.context_frames,
         "clock": FLAGS.clock,

@@ -43,6 +43,7 @@ def baseline(params, cfg, precision, template, ticks: int) -> dict:
         ssm_kernel=FLAGS.ssm_kernel,
         attention=FLAGS.attention,
         tts_attention=FLAGS.tts_attention,
+        projection=FLAGS.projection,
         precision=precision,
     )
     engine = Engine(params, cfg, serve, template=template)
