@@ -322,7 +322,7 @@ def test_cli_at_cap_memory_runs(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "voicechat_jax.serve",
+        "voicechat_jax.cli.serve",
         "--at_cap=memory",
         "--context_frames=24",
         "--sessions=1",

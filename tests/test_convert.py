@@ -503,7 +503,7 @@ def test_served_frames_match_nemo(converted, clip, nemo_tiny, tiny_cfg, tmp_path
     dst, _ = converted
     wav, samples = clip
     out = _run(
-        "voicechat_jax.serve",
+        "voicechat_jax.cli.serve",
         f"--checkpoint={dst}",
         "--clock=offline",
         "--speech_sampling=deterministic",

@@ -32,7 +32,7 @@ def _env() -> dict[str, str]:
 
 def _cmd(*flags: str, console_script: bool = False) -> list[str]:
     exe = shutil.which("voicechat-serve") if console_script else None
-    return [exe, *flags] if exe else [sys.executable, "-m", "voicechat_jax.serve", *flags]
+    return [exe, *flags] if exe else [sys.executable, "-m", "voicechat_jax.cli.serve", *flags]
 
 
 def _run(*flags: str, cwd=None, timeout=600, **kw) -> subprocess.CompletedProcess:
