@@ -119,17 +119,16 @@ def test_input_audio_resamples_into_whole_frames():
 
 
 @pytest.mark.parametrize("rate", [24000, 16000, 22050])
-def test_output_audio_rate_and_clipping(rate):
-    wav = 1.5 * np.sin(2 * np.pi * 300 * np.arange(20 * W) / 22050).astype(np.float32)
+def test_output_audio_exact_frames_rate_and_clipping(rate):
+    wav = 1.5 * np.sin(2 * np.pi * 300 * np.arange(200 * W) / 22050).astype(np.float32)
     wav[5] = np.nan
     out = p.OutputAudio(rate)
-    pcm = np.concatenate(
-        [np.frombuffer(out.convert(wav[i * W : (i + 1) * W]), "<i2") for i in range(20)]
-    )
-    expected = 20 * W * rate / 22050
-    assert expected - 0.05 * rate <= pcm.size <= expected  # the resampler's delay, at most 50 ms
+    frames = [np.frombuffer(out.convert(wav[i * W : (i + 1) * W]), "<i2") for i in range(200)]
+    assert {f.size for f in frames} == {rate * 80 // 1000}  # every frame exactly 80 ms
+    assert out.shortfalls == 0  # and never padded with silence past the start
+    pcm = np.concatenate(frames)
     assert (pcm.max(), pcm.min()) == (32767, -32767)  # clipped to full scale, never wrapped
-    assert abs(_peak_hz(pcm[pcm.size // 4 :].astype(np.float64), rate) - 300.0) < 10.0
+    assert abs(_peak_hz(pcm[pcm.size // 4 :].astype(np.float64), rate) - 300.0) < 2.0
 
 
 # ---- beats -> events --------------------------------------------------------------------------

@@ -44,12 +44,13 @@ def main(argv: list[str]) -> None:
     import numpy as np
     import soxr
 
+    import voicechat_jax
     from voicechat_jax.serving import audio as audio_lib
-    from voicechat_jax.serving import runner
     from voicechat_jax.serving.net import load
 
     rate = int(FLAGS.rate)
-    wav = audio_lib.read_wav(FLAGS.input_wav or runner.default_wav(), expected_rate=16000)
+    bundled = os.path.join(os.path.dirname(voicechat_jax.__file__), "assets", "speech_16k.wav")
+    wav = audio_lib.read_wav(FLAGS.input_wav or bundled, expected_rate=16000)
     if rate != 16000:
         wav = soxr.resample(wav, 16000, rate)
     pcm = np.rint(np.clip(wav, -1.0, 1.0) * 32767.0).astype("<i2")

@@ -375,6 +375,8 @@ class Server:
         self._memories.pop(sid, None)
         if why == "failed":
             self.failed_sessions += 1
+            if sid not in self.failures:  # failed by its source (a network client's fault)
+                self.failures[sid] = detail
             self._send(_Event({"event": "failed", "session": sid, "tick": tick, "message": detail}))
         # Logged by the writer thread: a log line can block (a full stderr pipe), the beat cannot.
         self._send(_Event({"event": "ended", "session": sid, "reason": why, "tick": tick}))

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
 import threading
 from collections.abc import Callable, Sequence
 
@@ -62,6 +63,10 @@ class NetConfig:
     heartbeat_s: float = 5.0  # WebSocket ping interval; a client that misses a pong is gone
     max_message_bytes: int = 1 << 20  # larger messages close the connection (1009)
     output_beats: int = 16  # beats of output a session's stream holds before dropping the oldest
+    # Unsent output a connection may hold: the kernel's send buffer (SO_SNDBUF), plus a half of it
+    # in aiohttp's writer and a quarter in the event loop's transport (about 2 s of 24 kHz audio in
+    # all): what a slow client can delay its own audio by, and how soon a stall is seen.
+    send_buffer_bytes: int = 64 << 10
     send_timeout_s: float = 5.0  # a client that takes no output for this long has stalled
     max_protocol_errors: int = 64  # errors in one call before it is closed (1008)
     admit_timeout_s: float = 10.0  # the beat thread answers an admission within this
@@ -76,8 +81,10 @@ class NetConfig:
         for name in ("idle_timeout_s", "heartbeat_s", "send_timeout_s", "admit_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.output_beats < 1 or self.max_message_bytes < 1024:
-            raise ValueError("output_beats must be >= 1 and max_message_bytes >= 1024")
+        if self.output_beats < 1 or self.max_message_bytes < 1024 or self.send_buffer_bytes < 4096:
+            raise ValueError(
+                "output_beats must be >= 1, max_message_bytes >= 1024, send_buffer_bytes >= 4096"
+            )
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -210,7 +217,7 @@ class NetFront:
             return False, "draining"
         if self.server.hub.closed:
             return False, "stopped"
-        if not self.server.metrics.compile_s:
+        if self.server.engine.compile_s is None:  # set once the tick (or loop) is compiled
             return False, "compiling"
         return True, "ready"
 
@@ -247,9 +254,19 @@ class NetFront:
     async def _realtime(self, request: web.Request) -> web.StreamResponse:
         cfg = self.config
         ws = web.WebSocketResponse(
-            heartbeat=cfg.heartbeat_s, max_msg_size=cfg.max_message_bytes, compress=False
+            heartbeat=cfg.heartbeat_s,
+            max_msg_size=cfg.max_message_bytes,
+            compress=False,
+            writer_limit=cfg.send_buffer_bytes // 2,
         )
         await ws.prepare(request)
+        transport = request.transport
+        if transport is not None:
+            transport.set_write_buffer_limits(high=cfg.send_buffer_bytes // 4)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.send_buffer_bytes)
         self.connections += 1
         task = asyncio.current_task()
         self._calls.add(task)
@@ -433,8 +450,13 @@ class _Call:
                 self.release("failed", f"connection error: {why}")
                 return
             else:  # CLOSE / CLOSING / CLOSED: the client closed or vanished
-                if not self.ended:
-                    self.release("left", f"the client closed the connection (code {ws.close_code})")
+                if self.ended:
+                    return
+                code = ws.close_code
+                if code in (None, WSCloseCode.ABNORMAL_CLOSURE):
+                    self.release("failed", "client vanished: the connection dropped, no close")
+                else:
+                    self.release("left", f"the client closed the connection (code {code})")
                 return
             if self.errors > self.cfg.max_protocol_errors:
                 self.release("failed", f"too many protocol errors ({self.errors})")
@@ -532,8 +554,8 @@ class _Call:
             await asyncio.sleep(min(0.5, self.cfg.idle_timeout_s / 4))
             idle = self.loop.time() - self.last_audio
             if idle > self.cfg.idle_timeout_s and not self.released:
+                # The server ends it at the next beat; the sender sends the end and closes.
                 self.release("idle timeout", f"no audio for {idle:.1f} s")
-                return
 
     # ---- sending -----------------------------------------------------------------------------
 

@@ -52,6 +52,7 @@ class ClientStats:
     beat_latency_ms: dict | None = None  # the server's beat latency seen by this call
     missed_beats: int = 0
     ticks_skipped: int = 0
+    frame_gaps: int = 0  # beats whose first frame did not follow the previous beat's last
     input_underruns: int = 0  # beats whose input the server found incomplete
     errors: dict = dataclasses.field(default_factory=dict)  # error code -> count
     end_reason: str | None = None
@@ -123,8 +124,11 @@ async def run_client(
     sizes: list[int] = []
     latency: list[float] = []
     errors: collections.Counter[str] = collections.Counter()
+    next_frame: list[int | None] = [None]
     t_connect = time.monotonic()
-    async with websockets.connect(realtime_url(url), max_size=None, open_timeout=30) as ws:
+    async with websockets.connect(
+        realtime_url(url), max_size=None, open_timeout=30, compression=None, proxy=None
+    ) as ws:
         first = json.loads(await ws.recv())
         stats.connect_ms = 1e3 * (time.monotonic() - t_connect)
         if first["type"] == "error":
@@ -189,6 +193,9 @@ async def run_client(
                     stats.missed_beats += bool(event["missed"])
                     stats.ticks_skipped += event["ticks_skipped"]
                     stats.input_underruns += bool(event["input_underrun"])
+                    if next_frame[0] is not None and event["frame"] != next_frame[0]:
+                        stats.frame_gaps += 1
+                    next_frame[0] = event["frame"] + event["frames"]
                 elif kind == "error":
                     errors[event["error"]["code"]] += 1
                 elif kind == "voicechat.session.ended":
@@ -299,6 +306,7 @@ def summarize(rows: list[ClientStats], clients: int, server: dict | None = None)
         "beat_latency_ms_max": pooled("beat_latency_ms", "max"),
         "missed_beats": sum(r.missed_beats for r in calls),
         "ticks_skipped": max((r.ticks_skipped for r in calls), default=0),
+        "frame_gaps": sum(r.frame_gaps for r in calls),
         "playback_underruns": sum(r.underruns for r in calls),
         "input_underruns": sum(r.input_underruns for r in calls),
         "errors": dict(sum((collections.Counter(r.errors) for r in calls), collections.Counter())),

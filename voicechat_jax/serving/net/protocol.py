@@ -340,18 +340,35 @@ class InputAudio:
 
 
 class OutputAudio:
-    """The model's 22.05 kHz float32 -> PCM16 bytes at ``rate`` (streaming)."""
+    """The model's 22.05 kHz float32 -> PCM16 bytes at ``rate``, one 80 ms frame in, exactly one
+    80 ms frame out (streaming).
 
-    def __init__(self, rate: int = DEFAULT_RATE):
+    A streaming resampler hands out its output in uneven blocks; a FIFO primed with ``lead_ms``
+    of silence evens them out, so that every frame the client gets holds exactly 80 ms (a frame
+    the FIFO cannot fill is padded with silence and counted in ``shortfalls``; with the default
+    lead it does not happen at the supported rates).
+    """
+
+    def __init__(self, rate: int = DEFAULT_RATE, *, lead_ms: float = 30.0):
         self.rate = rate
         self._resampler = (
-            None if rate == OUTPUT_RATE else soxr.ResampleStream(OUTPUT_RATE, rate, 1, "float32")
+            None
+            if rate == OUTPUT_RATE
+            else soxr.ResampleStream(OUTPUT_RATE, rate, 1, "float32", quality="LQ")
         )
+        self._fifo = np.zeros((0 if self._resampler is None else int(rate * lead_ms / 1000),))
+        self.shortfalls = 0
 
     def convert(self, wav: np.ndarray) -> bytes:
+        """One frame (or whole frames) of model audio -> the same duration at ``rate``."""
         x = np.asarray(wav, np.float32)
+        n = x.shape[0] * self.rate // OUTPUT_RATE
         if self._resampler is not None:
-            x = self._resampler.resample_chunk(x)
+            x = np.concatenate([self._fifo, self._resampler.resample_chunk(x)])
+            if x.shape[0] < n:
+                self.shortfalls += 1
+                x = np.pad(x, (0, n - x.shape[0]))
+            x, self._fifo = x[:n], x[n:]
         x = np.nan_to_num(x, nan=0.0, posinf=1.0, neginf=-1.0)
         return np.rint(np.clip(x, -1.0, 1.0) * PCM16_MAX).astype("<i2").tobytes()
 
