@@ -582,7 +582,7 @@ class _Call:
                         await self.notice_output_dropped(dropped)
                     frames = self.events.beat(beat, audio, self.session, dropped=dropped)
                     base = self.loop.time()
-                    last = i == len(beats) - 1 and end is None
+                    last = i == len(beats) - 1
                     for t, events in enumerate(frames):
                         if t and last:  # pace the newest beat's frames; catch up on older ones
                             await asyncio.sleep(max(0.0, base + t * period - self.loop.time()))
