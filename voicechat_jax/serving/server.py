@@ -412,23 +412,23 @@ class Server:
             self._end(sid, why, detail, k)
         # Sessions joining.
         for source in self._sources:
-            for plan in source.joins(k):
+            for join in source.joins(k):
                 try:
-                    slot = self.slots.admit(plan.id, tick=k, source=plan.source)
+                    slot = self.slots.admit(join.id, tick=k, source=join.source)
                 except CapacityError as e:
-                    self.failures[plan.id] = str(e)
-                    source.refused(plan, e, k)
+                    self.failures[join.id] = str(e)
+                    source.refused(join, e, k)
                     continue
-                self.queues.open(self.slots.session(plan.id))
+                self.queues.open(self.slots.session(join.id))
                 admit[slot] = True
                 release[slot] = False
-                keys[slot] = session_key(self.seed, plan.id)
-                self._owner[plan.id] = source
-                self._context[plan.id] = 0
+                keys[slot] = session_key(self.seed, join.id)
+                self._owner[join.id] = source
+                self._context[join.id] = 0
                 if self.rollover.host_rolls:
-                    self._memories[plan.id] = ConversationMemory(self.memory_config)
-                source.admitted(plan, slot, k)
-                self._send(_Opened(plan.id, plan.stream, plan.record))
+                    self._memories[join.id] = ConversationMemory(self.memory_config)
+                source.admitted(join, slot, k)
+                self._send(_Opened(join.id, join.stream, join.record))
         for event in self.slots.drain_events():
             self._send(_Event(event))
         # Sources fed in step with the beat push its audio (scripted: a late beat comes next).
