@@ -7,6 +7,13 @@ available, ``transcript.txt``; plus ``metrics.jsonl`` and ``sessions.json`` for 
 
   voicechat-serve --checkpoint=checkpoints/voicechat_11b --slots=32 --sessions=32 --seconds=80
 
+With ``--listen=HOST:PORT`` it serves live calls over the network until stopped (docs/protocol.md:
+a WebSocket at ``/v1/realtime`` in the OpenAI Realtime API's events, ``/healthz``, ``/readyz``,
+``/metrics``, and a browser page at ``/``); scripted sessions run beside them only when
+``--sessions`` is given, and the run ends after ``--seconds`` only when that is given.
+
+  voicechat-serve --listen=0.0.0.0:8765 --slots=8
+
 Flags are checked before anything is built; a bad one is refused in one line. SIGTERM or SIGINT
 drains the server (no new session, the beat in flight finished, every live session ended with a
 ``shutdown`` event, its files closed) and exits within ``--drain_timeout_s``; a second signal exits
@@ -20,6 +27,7 @@ sessions refused at capacity do not count); 128 + N on a second signal N.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -108,6 +116,11 @@ flags.DEFINE_enum(
 flags.DEFINE_float(
     "drain_timeout_s", 10.0, "After SIGTERM/SIGINT, exit 1 if draining takes longer than this."
 )
+flags.DEFINE_string(
+    "listen", None, "HOST:PORT: serve live calls over the network (WebSocket, HTTP) until stopped."
+)
+flags.DEFINE_float("idle_timeout_s", 10.0, "With --listen: a call with no audio this long ends.")
+flags.DEFINE_bool("record_calls", False, "With --listen: write each call's files to --output_dir.")
 
 flags.register_validator("slots", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("sessions", lambda v: v >= 1, "must be >= 1")
@@ -115,6 +128,15 @@ flags.register_validator("seconds", lambda v: v > 0, "must be > 0")
 flags.register_validator("frames_per_tick", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("warmup_ticks", lambda v: v >= 0, "must be >= 0")
 flags.register_validator("drain_timeout_s", lambda v: v > 0, "must be > 0")
+flags.register_validator("idle_timeout_s", lambda v: v > 0, "must be > 0")
+
+
+@flags.validator("listen", "expected HOST:PORT with a port in [0, 65535]")
+def _check_listen(value: str | None) -> bool:
+    host, sep, port = (value or "h:0").rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
+
+
 flags.register_validator(
     "model", lambda v: v in config_lib.PRESETS, f"must be a preset: {sorted(config_lib.PRESETS)}"
 )
@@ -253,12 +275,16 @@ def options_from_flags() -> runner.RunOptions:
         deadline_ms=FLAGS.deadline_ms,
         precision=FLAGS.precision,
     )
+    listen = FLAGS.listen
+    # A listening server runs until stopped, with no scripted session, unless told otherwise.
+    sessions = FLAGS.sessions if not listen or FLAGS["sessions"].present else 0
+    seconds = FLAGS.seconds if not listen or FLAGS["seconds"].present else math.inf
     return runner.RunOptions(
         serve=serve,
         checkpoint=FLAGS.checkpoint,
         model=FLAGS.model,
-        sessions=FLAGS.sessions,
-        seconds=FLAGS.seconds,
+        sessions=sessions,
+        seconds=seconds,
         input_wavs=tuple(FLAGS.input_wav or ()),
         output_dir=FLAGS.output_dir,
         loop=FLAGS.loop,
@@ -267,6 +293,8 @@ def options_from_flags() -> runner.RunOptions:
         seed=FLAGS.seed,
         warmup_ticks=FLAGS.warmup_ticks,
         gc_policy=FLAGS.gc_policy,
+        listen=listen,
+        net={"idle_timeout_s": FLAGS.idle_timeout_s, "record_calls": FLAGS.record_calls},
     )
 
 
@@ -287,6 +315,8 @@ def main(argv: list[str]) -> None:
         _fail(f"error: {e}", EXIT_ERROR)
     drain_s = signals.drained()
     print(result.table)  # the CLI's report; the library itself never prints
+    if result.url:
+        print(f"served live calls at {result.url}")
     print(f"outputs: {os.path.abspath(options.output_dir)}")
     if result.stopped:
         drained = "" if drain_s is None else f"; drained in {drain_s:.2f} s"

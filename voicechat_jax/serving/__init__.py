@@ -1,4 +1,5 @@
 """The host side of the serving engine: the beat clock, audio I/O, sessions and admission, metrics.
+Live calls over the network are in ``serving.net`` (imported on its own: it needs aiohttp).
 
 Pure Python and NumPy, independent of the model: the device side (``SessionState``, the jitted
 ``tick``, the on-device loop) reaches the host only through these objects, and the host callback
@@ -19,6 +20,7 @@ from voicechat_jax.serving.audio import (
 )
 from voicechat_jax.serving.clock import OFFLINE, REALTIME, BeatClock, TickTiming
 from voicechat_jax.serving.gc_policy import GcMonitor, GcPause, GcPolicy
+from voicechat_jax.serving.hub import Join, Leave, ScriptedSessions, SessionHub, SessionSource
 from voicechat_jax.serving.metrics import (
     STEADY,
     WARMUP,
@@ -38,9 +40,13 @@ from voicechat_jax.serving.sessions import (
 )
 from voicechat_jax.serving.writer import (
     BeatPool,
+    BeatStamp,
     HostBeat,
+    OutputStream,
     SessionFiles,
     SessionOutput,
+    StreamBeat,
+    StreamEnd,
     WavStream,
 )
 
@@ -55,6 +61,7 @@ __all__ = [
     "AudioInputError",
     "BeatClock",
     "BeatPool",
+    "BeatStamp",
     "CapacityError",
     "Cause",
     "EndedRecords",
@@ -64,11 +71,19 @@ __all__ = [
     "HostBeat",
     "HostTimeline",
     "InputQueues",
+    "Join",
+    "Leave",
     "MetricsRecorder",
+    "OutputStream",
+    "ScriptedSessions",
     "Session",
     "SessionFiles",
+    "SessionHub",
     "SessionOutput",
+    "SessionSource",
     "SlotTable",
+    "StreamBeat",
+    "StreamEnd",
     "TickRecord",
     "TickTiming",
     "WavStream",

@@ -46,7 +46,12 @@ from typing import TextIO
 
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    SummaryMetricFamily,
+)
 
 from voicechat_jax.serving.gc_policy import GcPause
 
@@ -63,6 +68,12 @@ class Cause(enum.StrEnum):
     DEVICE = "device"
     UNKNOWN = "unknown"  # recorded without a timeline
 
+
+# Upper bounds (seconds) of the steady-state beat latency histogram's buckets (and +Inf): finer
+# around the 160 ms beat, where a deadline falls.
+LATENCY_BUCKETS_S = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.14, 0.15, 0.16, 0.18, 0.2, 0.32, 0.64, 1.28,
+)  # fmt: skip
 
 # Columns of the steady-state ring, in order: latency, then the host stages (seconds).
 STAGES = ("wake", "prepare", "dispatch", "device", "pickup", "collect", "gc")
@@ -218,6 +229,8 @@ class MetricsRecorder:
         self._steady = _PhaseCounters()
         self._warm = _PhaseCounters()
         self._ring = _Ring(window, len(_COLUMNS))
+        # Steady ticks that ran, by latency bucket (the last: above every bound), whole run.
+        self._histogram = np.zeros((len(LATENCY_BUCKETS_S) + 1,), np.int64)
         self._warm_latency: list[float] = []  # at most warmup_ticks entries
         # Per session (steady state only): [beats, missed, underruns].
         self._live: dict[Hashable, list[int]] = {}
@@ -327,6 +340,8 @@ class MetricsRecorder:
                 counters.missed_beats += len(sessions)
                 (counters.skipped_by if skipped else counters.missed_by)[rec.cause] += 1
             if phase == STEADY:
+                if latency is not None:
+                    self._histogram[np.searchsorted(LATENCY_BUCKETS_S, latency)] += 1
                 row = [math.nan if latency is None else latency]
                 row += [math.nan if not stages or stages[s] is None else stages[s] for s in STAGES]
                 self._ring.append(row)
@@ -448,6 +463,11 @@ class MetricsRecorder:
             out = self._phase_stats(self._steady, self._ring.column(0))
             n = out["ticks"]
             out["window_ticks"] = len(self._ring)
+            # Counts per bucket (not cumulative), the last above every bound; whole run.
+            out["latency_histogram"] = {
+                "le_s": list(LATENCY_BUCKETS_S),
+                "counts": self._histogram.tolist(),
+            }
             out["miss_rate_ticks"] = out["missed_ticks"] / n if n else None
             beats = out["session_beats"]
             out["miss_rate_session_beats"] = out["missed_session_beats"] / beats if beats else None
@@ -602,6 +622,17 @@ class SummaryCollector:
                     f"{p}_beat_latency_seconds", {"quantile": f"{q / 100:g}"}, lat[name] / 1e3
                 )
         yield latency
+        hist = s.get("latency_histogram")
+        if hist is not None:
+            cumulative = np.cumsum(hist["counts"]).tolist()
+            buckets = [(f"{le:g}", n) for le, n in zip(hist["le_s"], cumulative, strict=False)]
+            buckets.append(("+Inf", cumulative[-1]))
+            yield HistogramMetricFamily(
+                f"{p}_beat_latency_histogram_seconds",
+                "Tick start to outputs readable on the host, steady state, by bucket (whole run).",
+                buckets=buckets,
+                sum_value=s["latency_sum_s"],
+            )
         counters = [
             ("ticks", "Steady-state ticks (skipped included).", s["ticks"]),
             ("ticks_skipped", "Ticks skipped because the host fell behind.", s["ticks_skipped"]),

@@ -1,15 +1,18 @@
 """One serving run from options: build the model, script the sessions, serve, stream the outputs.
 
 This is the library behind ``voicechat-serve`` (and the tests of it): ``run(RunOptions(...))``.
-Each session's ``output.wav`` and ``frames.jsonl`` are written beat by beat while the run goes
-(``writer.SessionFiles``), ``metrics.jsonl`` one line per tick and event; ``sessions.json`` (who
-failed, was refused, or ended early, and why) is written when the run ends or is stopped.
+With ``listen`` set it also serves live calls over the network (``serving.net.NetFront``) beside
+the scripted sessions, until stopped. Each scripted session's ``output.wav`` and ``frames.jsonl``
+are written beat by beat while the run goes (``writer.SessionFiles``; a live call's only with
+``record_calls``), ``metrics.jsonl`` one line per tick and event; ``sessions.json`` (who failed,
+was refused, or ended early, and why) is written when the run ends or is stopped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import threading
 
@@ -49,9 +52,14 @@ class RunOptions:
     warmup_ticks: int = 3
     checkpoint: str | None = None
     gc_policy: str = "slack"
+    listen: str | None = None  # HOST:PORT: serve live calls there too (``serving.net``)
+    net: dict = dataclasses.field(default_factory=dict)  # more ``net.NetConfig`` fields
 
     @property
     def n_ticks(self) -> int:
+        """Ticks to serve; ``seconds=math.inf`` (a server with ``listen``): until stopped."""
+        if math.isinf(self.seconds):
+            return 1 << 62
         return max(1, round(self.seconds * 1000.0 / self.serve.beat_ms))
 
 
@@ -66,6 +74,7 @@ class RunResult:
     failed: int = 0  # sessions that failed (input rejected, bad input, vanished); not refusals
     refused: int = 0  # sessions refused at capacity
     stopped: bool = False  # the run was stopped (drained) before its end
+    url: str | None = None  # where live calls were served (``listen``)
 
 
 def default_wav() -> str:
@@ -77,6 +86,8 @@ def default_wav() -> str:
 
 def _load_inputs(paths: tuple[str, ...], n: int) -> list[tuple[str, np.ndarray | Exception]]:
     """Each session's (source, audio or the error reading it); sessions take files in turn."""
+    if n == 0:
+        return []
     paths = paths or (default_wav(),)
     loaded: dict[str, np.ndarray | Exception] = {}
     for p in paths:
@@ -155,6 +166,7 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
                 metrics_sink=sink,
                 max_backlog_beats=None if options.clock == "offline" else 4,
                 gc_policy=options.gc_policy,
+                vanish_beats=_vanish_beats(options),
                 output_dir=options.output_dir,
                 keep_outputs=False,
                 tokenizer=tokenizer,
@@ -162,9 +174,12 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
             )
             for sid, message in failures.items():
                 server.metrics.record_event("failed", session=sid, tick=None, message=message)
+            front = _start_front(options, server, tokenizer) if options.listen else None
             try:
                 server.run(plans, n_ticks)
             finally:
+                if front is not None:
+                    front.stop()
                 summary = server.metrics.close()
                 failures.update(server.failures)
                 with open(os.path.join(options.output_dir, "sessions.json"), "w") as f:
@@ -188,4 +203,28 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
         failed=summary["failed_sessions"],
         refused=server.slots.refused,
         stopped=server.stopping,
+        url=None if front is None else front.url,
     )
+
+
+def _vanish_beats(options: RunOptions) -> int:
+    """Beats without audio after which a session counts as vanished: 4 s; with live calls, 2 s
+    past their idle timeout, so that the front ends an idle call first, with its own reason."""
+    beat_s = options.serve.beat_ms / 1000.0
+    if not options.listen:
+        return 25
+    idle_s = options.net.get("idle_timeout_s", 10.0)
+    return math.ceil((idle_s + 2.0) / beat_s)
+
+
+def _start_front(options: RunOptions, server: Server, tokenizer):
+    """Starts serving live calls beside ``server``; writes ``listen.json`` (the bound URL)."""
+    from voicechat_jax.serving import net  # aiohttp: imported only by a server that listens
+
+    host, port = net.parse_listen(options.listen)
+    config = net.NetConfig(host=host, port=port, **options.net)
+    front = net.NetFront(server, config, text_decode=tokenizer)
+    url = front.start()
+    with open(os.path.join(options.output_dir, "listen.json"), "w") as f:
+        json.dump({"url": url, "realtime": url.replace("http", "ws", 1) + net.REALTIME_PATH}, f)
+    return front

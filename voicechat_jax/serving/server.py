@@ -18,10 +18,12 @@ memory (``writer.SessionOutput``), and into the metrics with the beat's host tim
 path itself (clock, input, the tick) touches JAX only to dispatch the tick; garbage collection runs
 in the beat's slack (``gc_policy.GcPolicy``); every container that grows with uptime is bounded.
 
-Sessions come from ``SessionPlan``s (a file's audio, when to join and leave, which beats arrive
-late) or from any other source that pushes into ``Server.queues``. ``request_stop`` (any thread)
-drains the server: no new admission, the beat in flight is finished and written, every live
-session ends with a ``shutdown`` event and its files are closed.
+Sessions come from sources (``hub.SessionSource``), asked at every beat who leaves and who joins:
+the ``SessionPlan``s given to ``run`` (a file's audio, when to join and leave, which beats arrive
+late) and ``Server.hub``, the thread-safe front for any other source (admit, release, push audio;
+each session's output to a bounded ``writer.OutputStream`` the caller drains: ``serving.net``).
+``request_stop`` (any thread) drains the server: no new admission, the beat in flight is finished
+and written, every live session ends with a ``shutdown`` event and its files are closed.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ from absl import logging
 
 from voicechat_jax import state as state_lib
 from voicechat_jax.engine import Engine
-from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving.clock import OFFLINE, BeatClock, TickTiming
 from voicechat_jax.serving.gc_policy import GcMonitor, GcPolicy
+from voicechat_jax.serving.hub import ScriptedSessions, SessionHub, SessionPlan, SessionSource
 from voicechat_jax.serving.memory import (
     ConversationMemory,
     MemoryConfig,
@@ -61,7 +63,9 @@ from voicechat_jax.serving.sessions import (
 )
 from voicechat_jax.serving.writer import (
     BeatPool,
+    BeatStamp,
     HostBeat,
+    OutputStream,
     SessionFiles,
     SessionOutput,
     SessionSink,
@@ -72,19 +76,6 @@ from voicechat_jax.serving.writer import (
 LOOPS = ("resident", "dispatch")
 SHUTDOWN = "shutdown"
 _now = time.monotonic  # the beat clock's time source
-
-
-@dataclasses.dataclass
-class SessionPlan:
-    """A scripted client: its audio, and when it joins and leaves (tick indices)."""
-
-    id: Hashable
-    audio: np.ndarray  # [n] float32 at 16 kHz; silence is sent after it ends
-    join: int = 0
-    leave: int | None = None  # released before this tick; None: stays to the end of the run
-    late: frozenset[int] = frozenset()  # beats whose audio arrives one tick late
-    vanish: int | None = None  # the client stops sending at this beat of its session (tests)
-    source: str = ""
 
 
 def session_key(seed: int, session_id: Hashable) -> np.ndarray:
@@ -151,11 +142,15 @@ class _Skipped:
 @dataclasses.dataclass(frozen=True)
 class _Opened:
     session: Hashable
+    stream: OutputStream | None = None
+    record: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class _Ended:
     session: Hashable
+    reason: str = ""
+    detail: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,17 +198,18 @@ class Server:
     - the *beat thread* runs ``prepare`` and the clock's waits, one beat at a time: the caller of
       ``run`` in the dispatch loop; the device loop's callback thread in the resident loop (with the
       first beat on the caller's thread before the loop starts). It owns ``failures``, ``ended``,
-      ``failed_sessions``, ``_by_join``, ``_by_leave``, ``_live``, ``_late_buffer``, ``_silent``,
-      ``_last``, ``_snapshot`` and, in the resident loop, ``_inflight`` (``_next_beat`` and
-      ``_deliver`` run one at a time, in order: the device waits for each).
+      ``failed_sessions``, ``_scripted``, ``_owner``, ``_silent``, ``_last``, ``_snapshot`` and,
+      in the resident loop, ``_inflight`` (``_next_beat`` and ``_deliver`` run one at a time, in
+      order: the device waits for each).
     - the *reader thread* (dispatch loop) owns nothing: it forwards messages in order.
     - the *writer thread* owns ``logs``, ``outputs``, ``_sinks``, ``_capped``, ``_pcm`` and the
       consuming end of the GC monitor.
-    - shared, and safe by construction: ``slots`` and ``queues`` (each behind its own lock; any
-      thread may push client audio), ``metrics`` (one lock), ``pool``, ``_to_reader``,
-      ``_to_writer`` and ``_cap_reached`` (``queue.SimpleQueue``: the writer tells the beat thread
-      which sessions reached the context cap), ``_stop`` (an ``Event``), ``_picked_through``
-      (behind the ``_picked`` condition), ``_error`` (set once, by whichever thread fails first).
+    - shared, and safe by construction: ``slots``, ``queues`` and ``hub`` (each behind its own
+      lock; any thread may admit, release and push client audio), ``metrics`` (one lock),
+      ``pool``, ``_to_reader``, ``_to_writer`` and ``_cap_reached`` (``queue.SimpleQueue``: the
+      writer tells the beat thread which sessions reached the context cap), ``_stop`` (an
+      ``Event``), ``_picked_through`` (behind the ``_picked`` condition), ``_error`` (set once, by
+      whichever thread fails first).
 
     ``logs``, ``outputs``, ``failures`` and ``ended`` may be read by any thread once ``run`` has
     returned.
@@ -295,10 +291,9 @@ class Server:
         self.failures = EndedRecords(max_ended)  # session -> why it failed or was refused
         self.ended = EndedRecords(max_ended)  # session -> why it ended before the run did
         self.failed_sessions = 0  # sessions that failed (bad input, vanished); not refusals
-        self._by_join: dict[int, list[SessionPlan]] = {}
-        self._by_leave: dict[int, list[SessionPlan]] = {}
-        self._live: dict[Hashable, tuple[SessionPlan, int]] = {}  # scripted, live: (plan, joined)
-        self._late_buffer: dict[Hashable, list[np.ndarray]] = {}
+        self.hub = SessionHub(self.queues)
+        self._scripted = ScriptedSessions(samples_per_beat=engine.samples_per_beat)
+        self._owner: dict[Hashable, SessionSource] = {}  # live session -> the source it came from
         self._silent: dict[Hashable, int] = {}  # consecutive beats with no input at all
         self._last: int | None = None
         self._snapshot: _Snapshot | None = None
@@ -338,10 +333,9 @@ class Server:
             "outputs": len(self.outputs),
             "failures": len(self.failures),
             "ended": len(self.ended),
-            "plans_pending": sum(map(len, self._by_join.values())),
-            "leaves_pending": sum(map(len, self._by_leave.values())),
-            "live": len(self._live),
-            "late_buffer": len(self._late_buffer),
+            **self._scripted.retained(),
+            **self.hub.retained(),
+            "owners": len(self._owner),
             "silent": len(self._silent),
             "inflight": len(self._inflight),
             "context": len(self._context),
@@ -364,35 +358,29 @@ class Server:
     # ---- host beat preparation (beat thread) -------------------------------------------------
 
     def _load(self, plans: Sequence[SessionPlan]) -> None:
-        self._by_join.clear()
-        self._by_leave.clear()
-        for plan in plans:
-            self._by_join.setdefault(plan.join, []).append(plan)
-            if plan.leave is not None:
-                self._by_leave.setdefault(plan.leave, []).append(plan)
+        self._scripted = ScriptedSessions(plans, samples_per_beat=self.engine.samples_per_beat)
 
-    def _beat_audio(self, plan: SessionPlan, beat: int, joined: int) -> np.ndarray:
-        n = self.engine.samples_per_beat
-        i = (beat - joined) * n
-        chunk = plan.audio[i : i + n]
-        if chunk.size < n:
-            chunk = np.pad(chunk, (0, n - chunk.size))
-        return chunk.astype(np.float32)
+    @property
+    def _sources(self) -> tuple[SessionSource, ...]:
+        return (self._scripted, self.hub)
 
     def _end(self, sid: Hashable, why: str, detail: str, tick: int) -> None:
         """Bookkeeping for a session whose slot was just released (beat thread)."""
         self.ended[sid] = detail
-        self._live.pop(sid, None)
-        self._late_buffer.pop(sid, None)
+        owner = self._owner.pop(sid, None)
+        if owner is not None:
+            owner.ended(sid, why, detail, tick)
         self._silent.pop(sid, None)
         self._context.pop(sid, None)
         self._memories.pop(sid, None)
         if why == "failed":
             self.failed_sessions += 1
+            if sid not in self.failures:  # failed by its source (a network client's fault)
+                self.failures[sid] = detail
             self._send(_Event({"event": "failed", "session": sid, "tick": tick, "message": detail}))
         # Logged by the writer thread: a log line can block (a full stderr pipe), the beat cannot.
         self._send(_Event({"event": "ended", "session": sid, "reason": why, "tick": tick}))
-        self._send(_Ended(sid))
+        self._send(_Ended(sid, why, detail))
 
     def prepare(self, k: int) -> state_lib.BeatInput:
         """The host's work before tick k: membership changes, client input, the beat's arrays."""
@@ -400,11 +388,11 @@ class Server:
         admit = np.zeros((B,), np.bool_)
         release = np.zeros((B,), np.bool_)
         keys = np.zeros((B, 2), np.uint32)
-        # Sessions leaving: scripted leaves, failed input, context cap reached.
+        # Sessions leaving: their sources' leaves, failed input, context cap reached.
         leaving: dict[Hashable, tuple[str, str]] = {}
-        for plan in self._by_leave.pop(k, ()):
-            if plan.id in self._live:
-                leaving[plan.id] = ("left", "left")
+        for source in self._sources:
+            for leave in source.leaves(k):
+                leaving[leave.id] = (leave.why, leave.detail)
         for sid, reason in self.queues.failed().items():
             leaving[sid] = ("failed", f"failed: {reason}")
             self.failures[sid] = reason
@@ -423,38 +411,29 @@ class Server:
             release[session.slot] = True
             self._end(sid, why, detail, k)
         # Sessions joining.
-        for plan in self._by_join.pop(k, ()):
-            try:
-                slot = self.slots.admit(plan.id, tick=k, source=plan.source)
-            except CapacityError as e:
-                self.failures[plan.id] = str(e)
-                continue
-            self.queues.open(self.slots.session(plan.id))
-            admit[slot] = True
-            release[slot] = False
-            keys[slot] = session_key(self.seed, plan.id)
-            self._live[plan.id] = (plan, k)
-            self._context[plan.id] = 0
-            if self.rollover.host_rolls:
-                self._memories[plan.id] = ConversationMemory(self.memory_config)
-            self._send(_Opened(plan.id))
+        for source in self._sources:
+            for join in source.joins(k):
+                try:
+                    slot = self.slots.admit(join.id, tick=k, source=join.source)
+                except CapacityError as e:
+                    self.failures[join.id] = str(e)
+                    source.refused(join, e, k)
+                    continue
+                self.queues.open(self.slots.session(join.id))
+                admit[slot] = True
+                release[slot] = False
+                keys[slot] = session_key(self.seed, join.id)
+                self._owner[join.id] = source
+                self._context[join.id] = 0
+                if self.rollover.host_rolls:
+                    self._memories[join.id] = ConversationMemory(self.memory_config)
+                source.admitted(join, slot, k)
+                self._send(_Opened(join.id, join.stream, join.record))
         for event in self.slots.drain_events():
             self._send(_Event(event))
-        # Scripted clients push this beat's audio (late beats arrive with the next one).
-        for sid, (plan, joined) in self._live.items():
-            if plan.vanish is not None and k - joined >= plan.vanish:
-                continue
-            chunk = self._beat_audio(plan, k, joined)
-            held = self._late_buffer.setdefault(sid, [])
-            try:
-                if (k - joined) in plan.late:
-                    held.append(chunk)
-                else:
-                    for c in [*held, chunk]:
-                        self.queues.push(sid, c)
-                    held.clear()
-            except audio_lib.AudioInputError as e:
-                logging.warning("session %s failed: %s", sid, e)
+        # Sources fed in step with the beat push its audio (scripted: a late beat comes next).
+        for source in self._sources:
+            source.feed(k, self.queues)
         live = self.slots.slot_sessions()
         silent = {sid: self.queues.backlog(sid) == 0 for sid in live if sid is not None}
         audio, underrun = self.queues.take_beat(live)
@@ -566,9 +545,9 @@ class Server:
                     if msg.fields["event"] == "ended":
                         self._log_end(**msg.fields)
                 elif isinstance(msg, _Opened):
-                    self._open_sink(msg.session)
+                    self._open_sink(msg.session, msg.stream, msg.record)
                 elif isinstance(msg, _Ended):
-                    self._close_sink(msg.session)
+                    self._close_sink(msg.session, msg.reason, msg.detail)
         except BaseException as e:
             logging.exception("the output writer failed")
             self._fail(e)
@@ -577,7 +556,7 @@ class Server:
                 self._collected_through = 1 << 62
                 self._collected.notify_all()
             for sid in list(self._sinks):
-                self._close_sink(sid)
+                self._close_sink(sid, SHUTDOWN, "the server stopped")
             self.metrics.record_gc(self.gc_monitor.drain())
 
     def _await_collected(self, k: int) -> None:
@@ -597,9 +576,9 @@ class Server:
         else:
             logging.info("session %s ended (%s) at tick %d", session, reason, tick)
 
-    def _open_sink(self, sid: Hashable) -> None:
+    def _open_sink(self, sid: Hashable, stream: OutputStream | None, record: bool) -> None:
         files = None
-        if self.output_dir is not None:
+        if self.output_dir is not None and record:
             files = SessionFiles(
                 os.path.join(self.output_dir, str(sid)),
                 sample_rate=self.engine.cfg.codec.sample_rate,
@@ -609,14 +588,14 @@ class Server:
         output = SessionOutput() if self.keep_outputs else None
         if output is not None:
             self.logs[sid] = output
-        self._sinks[sid] = SessionSink(output, files)
+        self._sinks[sid] = SessionSink(output, files, stream)
 
-    def _close_sink(self, sid: Hashable) -> None:
+    def _close_sink(self, sid: Hashable, reason: str, detail: str) -> None:
         sink = self._sinks.pop(sid, None)
         self._capped.discard(sid)
         if sink is None:
             return
-        paths = sink.close()
+        paths = sink.close(reason, detail)
         if paths:
             self.outputs[sid] = paths
             self.outputs.retire(sid)
@@ -633,6 +612,8 @@ class Server:
                 self._pcm = np.zeros(beat.wav.shape, "<i2")
             pcm = to_pcm16(beat.wav, out=self._pcm)
         cap_ends = self.engine.serve.at_cap == "end"
+        stamp = BeatStamp(msg.tick, msg.timing.start, msg.timing.deadline, msg.readable)
+        underran = set(msg.snapshot.underruns)
         live = msg.snapshot.live
         memories = msg.snapshot.memories
         asked = msg.snapshot.rollovers or {}
@@ -650,7 +631,8 @@ class Server:
             if beat.ran[b]:
                 sink = self._sinks.get(sid)
                 if sink is not None:
-                    sink.append(beat, b, None if pcm is None else pcm[b], rollover)
+                    pcm_b = None if pcm is None else pcm[b]
+                    sink.append(beat, b, pcm_b, rollover, stamp=stamp, underrun=sid in underran)
                 memory = None if memories is None else memories[b]
                 if memory is not None:
                     memory.observe(beat.text[b], beat.transcript[b], beat.n_transcript[b])
@@ -714,6 +696,7 @@ class Server:
             if writer.is_alive():  # the policy's start failed before the loop began
                 self._to_writer.put(_STOP)
                 writer.join()
+        self.hub.close("the server stopped")
         if self._error is not None:
             raise self._error
         return self.metrics.summary()

@@ -7,6 +7,9 @@
   amount of work (a handful of ``np.copyto``) and never waits for the writer.
 - ``SessionOutput``: one session's frames kept in memory, in buffers that grow by doubling
   (tests and short runs; a long-running server keeps none and streams to files instead).
+- ``OutputStream``: one session's beats for a consumer on another thread (the network side):
+  bounded, and never blocking the writer (the oldest beats are dropped, and counted, when the
+  consumer falls behind).
 - ``WavStream``, ``FramesStream``, ``SessionFiles``: each session's ``output.wav`` and
   ``frames.jsonl``, appended beat by beat. The WAV is PCM16 written through the standard
   ``wave`` module, which patches the RIFF and data sizes on every ``writeframes``, after the data;
@@ -20,10 +23,12 @@ No JAX here: this module runs in the writer thread and in the device loop's ``io
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
 import queue
+import threading
 import wave
 from collections.abc import Callable
 
@@ -227,6 +232,102 @@ class SessionOutput:
 
 
 # ---------------------------------------------------------------------------------------------
+# A session's output for another thread
+
+
+@dataclasses.dataclass(frozen=True)
+class BeatStamp:
+    """When a beat ran, on the beat clock's time source (seconds)."""
+
+    tick: int
+    start: float  # the tick's start
+    deadline: float
+    readable: float  # its outputs were on the host
+
+    @property
+    def latency(self) -> float:
+        return self.readable - self.start
+
+    @property
+    def missed(self) -> bool:
+        return self.readable > self.deadline
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamBeat:
+    """One session's share of one beat (copies: the pooled ``HostBeat`` is reused)."""
+
+    stamp: BeatStamp
+    frame: int  # the session's frame count before this beat (the device's own counter)
+    wav: np.ndarray  # [T * 1764] float32, 22.05 kHz
+    text: np.ndarray  # [T] int32, the agent's text channel
+    function: np.ndarray  # [T] int32, the function-call channel
+    transcript: tuple[tuple[int, ...], ...]  # T tuples: each frame's RNNT ids (the caller's words)
+    underrun: bool  # this session's input for the beat was incomplete
+    rollover: dict | None = None  # the session rolled over in this beat
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEnd:
+    """The session ended: ``reason`` as in the metrics (left, failed, context cap, shutdown)."""
+
+    reason: str
+    detail: str
+
+
+class OutputStream:
+    """A bounded FIFO of one session's ``StreamBeat``s, from the writer thread to a consumer.
+
+    ``put`` never blocks: beyond ``capacity`` beats the oldest is dropped and counted in
+    ``dropped`` (a consumer that stopped reading costs bounded memory). ``close`` puts the
+    ``StreamEnd`` after the last beat; it is never dropped. ``notify`` (no arguments, called on
+    the writer thread after each put and at the close, outside the lock) wakes the consumer, e.g.
+    ``lambda: loop.call_soon_threadsafe(event.set)``; it must not block.
+    """
+
+    def __init__(self, capacity: int = 32, notify: Callable[[], None] | None = None):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.notify = notify
+        self.dropped = 0
+        self.end: StreamEnd | None = None
+        self._beats: collections.deque[StreamBeat] = collections.deque()
+        self._lock = threading.Lock()
+
+    def put(self, beat: StreamBeat) -> None:
+        with self._lock:
+            if self.end is not None:
+                return
+            self._beats.append(beat)
+            while len(self._beats) > self.capacity:
+                self._beats.popleft()
+                self.dropped += 1
+        if self.notify is not None:
+            self.notify()
+
+    def close(self, reason: str, detail: str) -> None:
+        with self._lock:
+            if self.end is not None:
+                return
+            self.end = StreamEnd(reason, detail)
+        if self.notify is not None:
+            self.notify()
+
+    def drain(self) -> tuple[list[StreamBeat], StreamEnd | None]:
+        """The beats queued since the last call, oldest first, and the end once it came (the end
+        is returned only with, or after, the last beat)."""
+        with self._lock:
+            beats = list(self._beats)
+            self._beats.clear()
+            return beats, self.end
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._beats)
+
+
+# ---------------------------------------------------------------------------------------------
 # Streamed files
 
 
@@ -347,19 +448,52 @@ class SessionFiles:
 
 
 class SessionSink:
-    """Where one session's frames go: memory (``output``), files (``files``), or both."""
+    """Where one session's frames go: memory (``output``), files (``files``), a consumer on
+    another thread (``stream``), or any of them."""
 
-    def __init__(self, output: SessionOutput | None, files: SessionFiles | None):
+    def __init__(
+        self,
+        output: SessionOutput | None,
+        files: SessionFiles | None,
+        stream: OutputStream | None = None,
+    ):
         self.output = output
         self.files = files
+        self.stream = stream
         self.frames = 0
 
     def append(
-        self, beat: HostBeat, b: int, pcm: np.ndarray | None, rollover: dict | None = None
+        self,
+        beat: HostBeat,
+        b: int,
+        pcm: np.ndarray | None,
+        rollover: dict | None = None,
+        *,
+        stamp: BeatStamp | None = None,
+        underrun: bool = False,
     ) -> None:
         """Slot ``b`` of ``beat`` (``pcm``: that slot's PCM16 row, needed with files;
-        ``rollover``: the session rolled over in this beat, marked in ``frames.jsonl``)."""
+        ``rollover``: the session rolled over in this beat, marked in ``frames.jsonl``;
+        ``stamp`` and ``underrun``: when the beat ran and whether the session's input was
+        complete, for the stream)."""
         transcript, n_transcript = beat.transcript[b], beat.n_transcript[b]
+        if self.stream is not None and stamp is not None:
+            T = beat.frames_per_beat
+            self.stream.put(
+                StreamBeat(
+                    stamp=stamp,
+                    frame=int(beat.frame[b]) - T,
+                    wav=beat.wav[b].copy(),
+                    text=beat.text[b].copy(),
+                    function=beat.function[b].copy(),
+                    transcript=tuple(
+                        tuple(int(x) for x in transcript[t, : int(n_transcript[t])])
+                        for t in range(T)
+                    ),
+                    underrun=underrun,
+                    rollover=rollover,
+                )
+            )
         if self.output is not None:
             self.output.append(
                 text=beat.text[b],
@@ -382,5 +516,8 @@ class SessionSink:
             self.files.append(lines, pcm, beat.text[b])
         self.frames += beat.frames_per_beat
 
-    def close(self) -> dict[str, str]:
+    def close(self, reason: str = "", detail: str = "") -> dict[str, str]:
+        """Closes the files (returns their paths) and the stream (with the session's end)."""
+        if self.stream is not None:
+            self.stream.close(reason, detail)
         return {} if self.files is None else self.files.close()
