@@ -200,3 +200,48 @@ def test_make_mesh_counts_local_devices():
     assert mesh.shape[mesh_lib.DATA] == 1
     with pytest.raises(ValueError, match="this process has 1"):
         mesh_lib.make_mesh(2)
+
+
+def _serve(out_dir, devices: int) -> subprocess.Popen:
+    """``voicechat-serve --devices=N`` on the fake 4-device CPU mesh: 4 sessions, 2 joining late
+    and leaving early (churn), 5 beats on the offline clock, fp32, deterministic sampler."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={w.DEVICES}"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    flags = [
+        f"--devices={devices}",
+        f"--slots={w.DEVICES}",
+        f"--sessions={w.DEVICES}",
+        "--churn",
+        "--seconds=0.8",
+        "--clock=offline",
+        "--precision=fp32",
+        "--speech_sampling=deterministic",
+        f"--output_dir={out_dir}",
+    ]
+    cmd = [sys.executable, "-m", "voicechat_jax.cli.serve", *flags]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_serve_cli_on_four_devices_equals_one(tmp_path):
+    """``voicechat-serve --devices=4`` writes, session by session, the frames (text, function,
+    codes, transcript ids) that ``--devices=1`` writes; both runs start at once (the same flags
+    but the device count) to halve the wait."""
+    procs = {n: _serve(tmp_path / f"d{n}", n) for n in (w.DEVICES, 1)}
+    for n, proc in procs.items():
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"--devices={n}: {err.decode()[-3000:]}"
+    sessions = sorted(p.name for p in (tmp_path / "d1").iterdir() if p.is_dir())
+    assert len(sessions) == w.DEVICES
+    total = 0
+    for sid in sessions:
+        rows = {
+            n: [json.loads(line) for line in (tmp_path / f"d{n}" / sid / "frames.jsonl").open()]
+            for n in procs
+        }
+        assert rows[w.DEVICES] == rows[1], sid
+        total += len(rows[1])
+    assert total >= 2 * w.DEVICES  # every session ran at least one beat

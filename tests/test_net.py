@@ -217,6 +217,16 @@ class TestLive:
             "free_slots": SLOTS,
             "live_sessions": 0,
         }
+        status, body = live.get("/capacity")
+        assert status == 200
+        assert json.loads(body) == {
+            "slots": SLOTS,
+            "free": SLOTS,
+            "live": 0,
+            "draining": False,
+            "ready": True,
+            "reason": "ready",
+        }
         status, body = live.get("/")
         assert status == 200
         assert b"Start call" in body

@@ -222,6 +222,9 @@ BAD_FLAGS = [
     ("--no_such_flag=1", "Unknown command line flag 'no_such_flag'"),
     ("--output_dir=FILE", "exists and is not a directory"),
     ("--output_dir=FILE/sub", "cannot be written: Not a directory"),
+    ("--devices=0", "--devices=0: must be >= 1"),
+    ("--devices=2 --loop=resident", "--devices > 1 needs --loop=dispatch"),
+    ("--devices=3 --slots=4", "--slots=4 does not split evenly over --devices=3"),
 ]
 
 
@@ -231,7 +234,9 @@ def test_bad_flag_fails_fast_with_one_line(tmp_path, flag, message):
     afile.write_text("a file, not a directory")
     flag = flag.replace("FILE", str(afile))
     out = tmp_path / "out"
-    args = [flag] if flag.startswith("--output_dir") else [f"--output_dir={out}", flag]
+    args = (
+        flag.split() if flag.startswith("--output_dir") else [f"--output_dir={out}", *flag.split()]
+    )
     t = time.monotonic()
     proc = _run(*args, timeout=120)
     elapsed = time.monotonic() - t

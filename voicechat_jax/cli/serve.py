@@ -14,6 +14,10 @@ a WebSocket at ``/v1/realtime`` in the OpenAI Realtime API's events, ``/healthz`
 
   voicechat-serve --listen=0.0.0.0:8765 --slots=8
 
+With ``--devices=N`` the slots split over the first N local devices (``voicechat_jax.mesh``: each
+device steps its own ``slots / N``, no collective); the dispatch loop only. More than one host:
+one server per host (or per GPU) behind a router, docs/fleet.md.
+
 Flags are checked before anything is built; a bad one is refused in one line. SIGTERM or SIGINT
 drains the server (no new session, the beat in flight finished, every live session ended with a
 ``shutdown`` event, its files closed) and exits within ``--drain_timeout_s``; a second signal exits
@@ -78,6 +82,12 @@ flags.DEFINE_enum(
     "How the tick is driven (dispatch had the lighter tail on an H200: experiments/beat_latency).",
 )
 flags.DEFINE_enum("clock", "realtime", ["realtime", "offline"], "Beat clock.")
+flags.DEFINE_integer(
+    "devices",
+    1,
+    "Local devices to split the slots over (a data mesh: each device steps slots / devices of "
+    "them; the dispatch loop only).",
+)
 flags.DEFINE_enum(
     "speech_sampling", "faithful", ["faithful", "deterministic"], "Speech decoder sampler."
 )
@@ -123,6 +133,7 @@ flags.DEFINE_float("idle_timeout_s", 10.0, "With --listen: a call with no audio 
 flags.DEFINE_bool("record_calls", False, "With --listen: write each call's files to --output_dir.")
 
 flags.register_validator("slots", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("devices", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("sessions", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("seconds", lambda v: v > 0, "must be > 0")
 flags.register_validator("frames_per_tick", lambda v: v >= 1, "must be >= 1")
@@ -156,6 +167,18 @@ def _check_deadline(values: dict) -> bool:
     beat_ms = 80.0 * fpt
     if deadline is not None and not 0 < deadline <= beat_ms:
         raise flags.ValidationError(f"the deadline must be in (0, {beat_ms:g}] ms (the beat)")
+    return True
+
+
+@flags.multi_flags_validator(["devices", "slots", "loop"])
+def _check_devices(values: dict) -> bool:
+    n, slots, loop = values["devices"], values["slots"], values["loop"]
+    if n > 1 and loop == "resident":
+        raise flags.ValidationError(
+            "--devices > 1 needs --loop=dispatch (the resident loop serves one device)"
+        )
+    if n >= 1 and slots % n:
+        raise flags.ValidationError(f"--slots={slots} does not split evenly over --devices={n}")
     return True
 
 
@@ -289,6 +312,7 @@ def options_from_flags() -> runner.RunOptions:
         output_dir=FLAGS.output_dir,
         loop=FLAGS.loop,
         clock=FLAGS.clock,
+        devices=FLAGS.devices,
         churn=FLAGS.churn,
         seed=FLAGS.seed,
         warmup_ticks=FLAGS.warmup_ticks,
@@ -304,6 +328,14 @@ def main(argv: list[str]) -> None:
     from voicechat_jax.checkpoint import CheckpointError  # orbax: imported once flags are good
 
     options = options_from_flags()
+    import jax  # the device count is known once the backend starts
+
+    if options.devices > jax.local_device_count():
+        _fail(
+            f"--devices={options.devices}: this process has {jax.local_device_count()} "
+            f"{jax.default_backend()} device(s)",
+            EXIT_USAGE,
+        )
     logging.info("serving with %s", options)
     stop = threading.Event()
     signals = _Signals(stop, FLAGS.drain_timeout_s)

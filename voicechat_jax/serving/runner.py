@@ -19,8 +19,10 @@ import threading
 import jax
 import numpy as np
 from absl import logging
+from jax.sharding import Mesh
 
 from voicechat_jax import config as config_lib
+from voicechat_jax import mesh as mesh_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.model import voicechat
 from voicechat_jax.serving import audio as audio_lib
@@ -47,6 +49,7 @@ class RunOptions:
     output_dir: str = "runs/serve"
     loop: str = "dispatch"
     clock: str = "realtime"
+    devices: int = 1  # local devices the slots split over (``mesh.make_mesh``; dispatch loop only)
     churn: bool = False
     seed: int = 0
     warmup_ticks: int = 3
@@ -119,9 +122,24 @@ def plans_for(
     return plans, failures
 
 
-def build(options: RunOptions):
+def make_mesh(options: RunOptions) -> Mesh | None:
+    """The ``data`` mesh over the first ``options.devices`` local devices; None for one device.
+
+    Raises ValueError for a resident loop on a mesh, slots that do not split evenly, or more
+    devices than this process has.
+    """
+    if options.devices == 1:
+        return None
+    if options.loop != "dispatch":
+        raise ValueError("a mesh (devices > 1) is served by the dispatch loop only")
+    mesh = mesh_lib.make_mesh(options.devices)
+    mesh_lib.check_slots(options.serve.slots, mesh)
+    return mesh
+
+
+def build(options: RunOptions, mesh: Mesh | None = None):
     """The model config, params, serve config and tokenizer of a run (params in the precision
-    policy of ``options.serve.precision``).
+    policy of ``options.serve.precision``; on ``mesh``, replicated over its devices).
 
     A converted checkpoint that cannot be restored raises ``checkpoint.CheckpointError``.
     """
@@ -129,7 +147,8 @@ def build(options: RunOptions):
     if options.checkpoint:
         from voicechat_jax import checkpoint as ckpt  # converted checkpoints (voicechat-convert)
 
-        cfg, params, tokenizer = ckpt.restore(options.checkpoint, precision)
+        sharding = None if mesh is None else mesh_lib.replicated(mesh)
+        cfg, params, tokenizer = ckpt.restore(options.checkpoint, precision, sharding=sharding)
     else:
         if options.model not in config_lib.PRESETS:
             known = sorted(config_lib.PRESETS)
@@ -148,13 +167,14 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
     files are closed; then this returns as a finished run does.
     """
     os.makedirs(options.output_dir, exist_ok=True)
-    cfg, params, serve, tokenizer = build(options)
+    mesh = make_mesh(options)
+    cfg, params, serve, tokenizer = build(options, mesh)
     n_ticks = options.n_ticks
     inputs = _load_inputs(options.input_wavs, options.sessions)
     plans, failures = plans_for(options, n_ticks, inputs)
     compiles = step_lib.CompileCounter("tick")
     with compiles:
-        engine = Engine(params, cfg, serve)
+        engine = Engine(params, cfg, serve, mesh=mesh)
         # Line-buffered: each tick's line reaches the file as it is recorded (by the writer thread).
         with open(os.path.join(options.output_dir, "metrics.jsonl"), "w", buffering=1) as sink:
             server = Server(

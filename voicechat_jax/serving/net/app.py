@@ -10,7 +10,8 @@ application on its own thread and event loop:
   arrives (cut into 80 ms frames, resampled to 16 kHz); its output is drained from the session's
   bounded ``OutputStream`` and sent one 80 ms frame at a time, paced within each beat.
 - ``GET /healthz``: the process answers. ``GET /readyz``: 200 once the tick is compiled and while
-  the server admits sessions, else 503 with the reason. ``GET /metrics``: Prometheus text
+  the server admits sessions, else 503 with the reason. ``GET /capacity``: JSON ``slots``,
+  ``free``, ``live``, ``draining``, ``ready`` (what a router admits by). ``GET /metrics``: Prometheus text
   (``prometheus_client``): the server's report (``metrics.SummaryCollector``: beat latency summary
   and histogram, misses, skipped ticks, underruns, session events including refusals) and this
   front's gauges and counters (live sessions, free slots, connections, protocol errors, dropped
@@ -185,6 +186,7 @@ class NetFront:
         app.router.add_get("/", self._index)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/capacity", self._capacity)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get(REALTIME_PATH, self._realtime)
         app.router.add_static("/static/", WEB_DIR, show_index=False)
@@ -241,6 +243,20 @@ class NetFront:
             "live_sessions": len(self.server.slots),
         }
         return web.json_response(body, status=200 if ready else 503)
+
+    async def _capacity(self, request: web.Request) -> web.Response:
+        """What a router admits by: slots, free slots, live sessions, draining, ready (always 200,
+        so that a draining server's numbers can still be read)."""
+        ready, why = self.readiness()
+        body = {
+            "slots": self.server.slots.n_slots,
+            "free": self.free_slots(),
+            "live": len(self.server.slots),
+            "draining": bool(self.server.stopping),
+            "ready": ready,
+            "reason": why,
+        }
+        return web.json_response(body)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         # The report's percentiles take a few ms under the recorder's lock: off the event loop.
