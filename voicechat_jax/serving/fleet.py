@@ -63,6 +63,7 @@ class RouterConfig:
     call_timeout_s: float = 3600.0  # a call's connection with no traffic at all this long ends
     retries: int = 2  # connection attempts per call, the last ones on another server
     stats: str | None = None  # HOST:PORT of HAProxy's own stats page (None: none)
+    admin_socket: str | None = None  # a path: HAProxy's runtime API (``set server ... drain``)
 
     def __post_init__(self):
         for name in ("check_interval_s", "connect_timeout_s", "queue_timeout_s"):
@@ -90,6 +91,11 @@ def haproxy_config(backends: Sequence[Backend], router: RouterConfig | None = No
         f"{len(backends)} voicechat servers, {total} slots.",
         "global",
         f"    maxconn {4 * total + 256}",
+        *(
+            [f"    stats socket {router.admin_socket} mode 600 level admin"]
+            if router.admin_socket
+            else []
+        ),
         "",
         "defaults",
         "    mode http",
