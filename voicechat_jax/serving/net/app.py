@@ -11,11 +11,11 @@ application on its own thread and event loop:
   bounded ``OutputStream`` and sent one 80 ms frame at a time, paced within each beat.
 - ``GET /healthz``: the process answers. ``GET /readyz``: 200 once the tick is compiled and while
   the server admits sessions, else 503 with the reason. ``GET /capacity``: JSON ``slots``,
-  ``free``, ``live``, ``draining``, ``ready`` (what a router admits by). ``GET /metrics``: Prometheus text
-  (``prometheus_client``): the server's report (``metrics.SummaryCollector``: beat latency summary
-  and histogram, misses, skipped ticks, underruns, session events including refusals) and this
-  front's gauges and counters (live sessions, free slots, connections, protocol errors, dropped
-  output). ``GET /``: the browser page (``web/``).
+  ``free``, ``live``, ``draining``, ``ready`` (what a router admits by). ``GET /metrics``:
+  Prometheus text (``prometheus_client``): the server's report (``metrics.SummaryCollector``:
+  beat latency summary and histogram, misses, skipped ticks, underruns, session events including
+  refusals) and this front's gauges and counters (live sessions, free slots, connections, protocol
+  errors, dropped output). ``GET /``: the browser page (``web/``).
 
 Session lifetime. A call ends when the server ends it (context cap, shutdown drain, failed input:
 the stream's end, after its last beat), when the client closes or vanishes (the read side ends; the
