@@ -61,6 +61,17 @@ def _get(url: str) -> tuple[int | None, bytes]:
         return None, b""
 
 
+def _unready(url: str, timeout: float) -> tuple[int | None, bytes]:
+    """The first answer of ``url`` that is not 200 (the signal reaches the server's handler
+    a moment after it is sent), or the last answer after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = _get(url)
+        if status != 200 or time.monotonic() > deadline:
+            return status, body
+        time.sleep(0.02)
+
+
 def _wait_until(predicate, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -201,7 +212,7 @@ def test_fleet_spreads_drains_and_survives_a_kill(running):
             )
             # 2. SIGTERM to v0: its calls end with their events; it is unready, then DOWN.
             f.procs["v0"].send_signal(signal.SIGTERM)
-            readyz = await asyncio.to_thread(_get, f.urls["v0"] + "/readyz")
+            readyz = await asyncio.to_thread(_unready, f.urls["v0"] + "/readyz", 10)
             ended = placed["v0"]
             await asyncio.wait_for(asyncio.gather(*(c.closed.wait() for c in ended)), 15)
             down = await asyncio.to_thread(
