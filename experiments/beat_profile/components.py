@@ -58,6 +58,26 @@ def _time(fn: Callable, args: tuple, carry, *, repeats: int, warmup: int = 2):
     return np.asarray(times), carry
 
 
+def time_calls(fn, args, repeats: int) -> tuple[np.ndarray, float, tuple]:
+    """(seconds of each timed call, the first call's seconds with compile, the first output)."""
+    t = time.perf_counter()
+    first = jax.block_until_ready(fn(*args))
+    first_s = time.perf_counter() - t
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return np.asarray(times), first_s, first
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b|, in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
 def device_copy_tbps(gib: float = 4.0, repeats: int = 10) -> float:
     """TB/s of a plain device copy (bytes read + written) of a ``gib`` GiB fp32 array."""
     n = int(gib * 2**30 / 4)

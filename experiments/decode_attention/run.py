@@ -23,14 +23,13 @@ import dataclasses
 import functools
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from experiments.beat_profile.components import device_copy_tbps
+from experiments.beat_profile.components import device_copy_tbps, rel_err, time_calls
 from pallas_kernels.decode_attention import DecodeAttentionBlocks
 from voicechat_jax import config as config_lib
 from voicechat_jax.model.attention import AttentionImpl, attend
@@ -158,25 +157,6 @@ def layered(impl: str, window: int | None, scale: float, blocks: DecodeAttention
     return jax.jit(fn)
 
 
-def time_calls(fn, args, repeats: int) -> tuple[np.ndarray, float, tuple]:
-    """(seconds of each timed call, the first call's seconds with compile, the first output)."""
-    t = time.perf_counter()
-    first = jax.block_until_ready(fn(*args))
-    first_s = time.perf_counter() - t
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return np.asarray(times), first_s, first
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
 def _blocks(spec: str) -> DecodeAttentionBlocks:
     block_s, split_s, num_warps = (int(x) for x in spec.split(":"))
     return DecodeAttentionBlocks(block_s=block_s, split_s=split_s, num_warps=num_warps)
@@ -264,7 +244,7 @@ def run_config(sh, slots, kv_dtype, window, rows, base) -> None:
             if impl == AttentionImpl.XLA:
                 reference[fill] = np.asarray(out[0], np.float32)
             elif fill in reference:
-                row["err_vs_xla"] = _rel(out[0], reference[fill])
+                row["err_vs_xla"] = rel_err(out[0], reference[fill])
             rows.append(row)
             _write(row)
             del out

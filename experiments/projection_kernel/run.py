@@ -24,14 +24,13 @@ import dataclasses
 import functools
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from experiments.beat_profile.components import device_copy_tbps
+from experiments.beat_profile.components import device_copy_tbps, rel_err, time_calls
 from pallas_kernels.matmul import MatmulBlocks, default_blocks, matmul
 from voicechat_jax import config as config_lib
 from voicechat_jax.model.common import dense
@@ -131,25 +130,6 @@ def layered(impl: str, sh: Shape, layers: int, precision: str | None, blocks, in
     return jax.jit(fn)
 
 
-def time_calls(fn, args, repeats: int) -> tuple[np.ndarray, float, tuple]:
-    """(seconds of each timed call, the first call's seconds with compile, the first output)."""
-    t = time.perf_counter()
-    first = jax.block_until_ready(fn(*args))
-    first_s = time.perf_counter() - t
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return np.asarray(times), first_s, first
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
 def _write(row: dict) -> None:
     logging.info("%s", row)
     if FLAGS.out:
@@ -195,7 +175,7 @@ def measure(sh, R, impl, w, precision, blocks, layers, base, interpret, referenc
     if impl == "xla":
         reference[key] = np.asarray(out[0], np.float32)
     elif key in reference:
-        row["err_vs_xla"] = _rel(out[0], reference[key])
+        row["err_vs_xla"] = rel_err(out[0], reference[key])
     _write(row)
     return row
 
