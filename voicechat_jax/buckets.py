@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,9 +79,7 @@ def _pad_slots(out: state_lib.BeatOutput, *, slots: int) -> state_lib.BeatOutput
     return jax.tree_util.tree_map(pad, out)
 
 
-def source_slots(
-    old_bucket: int, new_bucket: int, moves: Sequence[tuple[int, int]]
-) -> np.ndarray:
+def source_slots(old_bucket: int, new_bucket: int, moves: Sequence[tuple[int, int]]) -> np.ndarray:
     """``resize``'s ``src`` for a bucket change with ``moves`` ((src, dst) slot pairs).
 
     A slot below both buckets keeps its row (live or not: an empty slot keeps whatever it held,
@@ -107,6 +105,10 @@ class BucketEngine(Engine):
     Args:
       buckets: slot counts; the largest must be ``serve.slots`` (the host's slot table). The state
         starts in the smallest.
+      ticks: ticks already compiled for some of the buckets, by slot count: the
+        ``compile_tick()`` of an ``Engine`` with this ``cfg``, ``precision`` and ``serve`` (but for
+        ``slots``), and this ``params`` and ``template``: one compile saved per bucket (a fixed
+        engine's tick is the largest bucket's).
       Others as ``Engine`` (no mesh: the slot axis is not split).
 
     Raises:
@@ -123,6 +125,7 @@ class BucketEngine(Engine):
         buckets: Sequence[int],
         template: voicechat.FrameState | None = None,
         memory_limit_bytes: int | None = None,
+        ticks: Mapping[int, object] | None = None,
     ):
         b = tuple(sorted(set(int(x) for x in buckets)))
         if not b or b[0] < 1 or b[-1] != serve.slots:
@@ -133,13 +136,12 @@ class BucketEngine(Engine):
             params, cfg, serve, precision, template=template, memory_limit_bytes=memory_limit_bytes
         )
         if len(b) > 1:
-            peak = plan_memory(
-                self.template, b[-1] + b[-2], limit_bytes=memory_limit_bytes
-            )
+            peak = plan_memory(self.template, b[-1] + b[-2], limit_bytes=memory_limit_bytes)
             if not peak.fits:
                 raise MemoryPlanError(
                     f"a move into the largest bucket holds two states at once: {peak.describe()}"
                 )
+        self._given = dict(ticks or {})
         self._ticks: dict[int, object] = {}
         self._pads: dict[int, object] = {}
         self._resizes: dict[tuple[int, int], object] = {}
@@ -167,14 +169,19 @@ class BucketEngine(Engine):
         clock starts); returns the current bucket's tick."""
         if not self._ticks:
             t = time.perf_counter()
+            reused = 0
             jitted = step_lib.make_tick(self.cfg, self.serve, self.precision)
             B = self.serve.slots
             pad = jax.jit(functools.partial(_pad_slots, slots=B))
             grow = jax.jit(resize, static_argnames="slots")
             for b in self.buckets:
                 state_b = self._abstract_state(b)
-                lowered = jitted.lower(self.params, state_b, self.template, self._beat(b))
-                self._ticks[b] = lowered.compile()
+                if b in self._given:
+                    self._ticks[b] = self._given[b]
+                    reused += 1
+                else:
+                    lowered = jitted.lower(self.params, state_b, self.template, self._beat(b))
+                    self._ticks[b] = lowered.compile()
                 if b < B:
                     out_b = jax.eval_shape(
                         jitted, self.params, state_b, self.template, self._beat(b)
@@ -185,7 +192,7 @@ class BucketEngine(Engine):
                         src = jax.ShapeDtypeStruct((c,), jnp.int32)
                         low = grow.lower(state_b, self.template, src, slots=c)
                         self._resizes[(b, c)] = low.compile()
-            self.compiles = len(self._ticks) + len(self._pads) + len(self._resizes)
+            self.compiles = len(self._ticks) - reused + len(self._pads) + len(self._resizes)
             self.compile_s = time.perf_counter() - t
             logging.info(
                 "bucket engine: %d ticks (%s slots), %d pads, %d resizes compiled in %.1f s",

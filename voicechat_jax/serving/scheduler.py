@@ -4,9 +4,9 @@ The device side is a mechanism (``step.tick``: admit and release slots, advance 
 ``BeatInput.run``, hold every other slot bit-identical). A ``Scheduler`` is the policy, asked by
 the server's beat thread before each beat (serving-spec §7, "mechanism apart from policy"):
 
-- ``admit(slots, session, tick=, source=)``: the slot a joining session goes into; or it raises
-  ``CapacityError`` (refused, recorded in the ``SlotTable``) or ``AdmissionQueued`` (the caller
-  asks again next beat: the session waits for a slot).
+- ``admit(slots, session, tick=, source=)``: the slot a joining session goes into, or None (it
+  waits for a slot: the caller asks again next beat); or it raises ``CapacityError`` (refused,
+  recorded in the ``SlotTable``).
 - ``plan(tick, slots, queues)``: a ``BeatPlan``: the run mask, the slot bucket (which compiled tick
   runs: ``buckets.BucketEngine`` holds one per bucket, compiled before the clock starts) and the
   sessions moved between slots with a bucket change. The scheduler applies the moves to the
@@ -44,10 +44,6 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from voicechat_jax.serving.sessions import CapacityError, InputQueues, SessionId, SlotTable
-
-
-class AdmissionQueued(RuntimeError):
-    """No slot now, but the session may wait: ask again at the next beat."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +94,9 @@ class Scheduler(Protocol):
 
     def admit(
         self, slots: SlotTable, session_id: SessionId, *, tick: int, source: str = ""
-    ) -> int:
-        """Admits ``session_id`` into ``slots`` and returns its slot.
-
-        Raises ``CapacityError`` (refused; recorded in ``slots``) or ``AdmissionQueued``.
-        """
+    ) -> int | None:
+        """Admits ``session_id`` into ``slots`` and returns its slot, or None: it waits (ask
+        again next beat). Raises ``CapacityError`` when it is refused (recorded in ``slots``)."""
         ...
 
     def plan(self, tick: int, slots: SlotTable, queues: InputQueues) -> BeatPlan:
@@ -120,9 +114,7 @@ class Lockstep:
     name = "lockstep"
     buckets: tuple[int, ...] = ()  # the engine's one compiled tick
 
-    def admit(
-        self, slots: SlotTable, session_id: SessionId, *, tick: int, source: str = ""
-    ) -> int:
+    def admit(self, slots: SlotTable, session_id: SessionId, *, tick: int, source: str = "") -> int:
         return slots.admit(session_id, tick=tick, source=source)
 
     def plan(self, tick: int, slots: SlotTable, queues: InputQueues) -> BeatPlan:
@@ -230,9 +222,7 @@ class SlotBuckets:
         """The smallest bucket of at least ``n`` slots (the largest if none is)."""
         return next((b for b in self._buckets if b >= n), self._buckets[-1])
 
-    def admit(
-        self, slots: SlotTable, session_id: SessionId, *, tick: int, source: str = ""
-    ) -> int:
+    def admit(self, slots: SlotTable, session_id: SessionId, *, tick: int, source: str = "") -> int:
         return slots.admit(session_id, tick=tick, source=source)
 
     def plan(self, tick: int, slots: SlotTable, queues: InputQueues) -> BeatPlan:
@@ -265,10 +255,11 @@ class SlotBuckets:
 class AdmissionControl:
     """An admission threshold and a queue with a timeout in front of another policy.
 
-    A session that finds ``max_live`` sessions live (default: every slot) waits, asking again each
-    beat (``AdmissionQueued``), for up to ``queue_beats`` beats; then it is refused. Waiting
-    sessions are admitted first come, first served (the server asks in that order), and a session
-    never jumps one that waits longer: while anyone waits, a newcomer queues. ``queue_beats = 0``
+    A session that finds ``max_live`` sessions live (default: every slot) waits (``admit``
+    returns None; the server asks again each beat) for up to ``queue_beats`` beats; then it is
+    refused. Waiting sessions are admitted first come, first served (the server asks in that
+    order), and a session never jumps one that waits longer: while anyone waits, a newcomer
+    queues. ``queue_beats = 0``
     refuses at once. ``queued`` counts sessions that waited, ``waited_beats`` the beats they
     waited in all (admitted or not).
     """
@@ -294,7 +285,7 @@ class AdmissionControl:
 
     def admit(
         self, slots: SlotTable, session_id: SessionId, *, tick: int, source: str = ""
-    ) -> int:
+    ) -> int | None:
         limit = slots.n_slots if self.max_live is None else min(self.max_live, slots.n_slots)
         first = self._first_asked.get(session_id)
         ahead = any(t < (tick if first is None else first) for t in self._first_asked.values())
@@ -307,7 +298,7 @@ class AdmissionControl:
                 self.queued += 1
         if tick - first < self.queue_beats:
             self.waited_beats += 1
-            raise AdmissionQueued(f"session {session_id} waits for a slot (since tick {first})")
+            return None
         del self._first_asked[session_id]
         waited = f" after waiting {tick - first} beats" if self.queue_beats else ""
         raise slots.refuse(
@@ -352,7 +343,6 @@ def make(policy: Policy | str, *, buckets: Sequence[int] = (), shrink_after: int
 
 __all__ = [
     "AdmissionControl",
-    "AdmissionQueued",
     "BeatPlan",
     "CapacityError",
     "Lockstep",
