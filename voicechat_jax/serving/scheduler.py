@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -333,6 +334,13 @@ class Policy(enum.StrEnum):
     BUCKETS = "buckets"
 
 
+def default_buckets(slots: int) -> tuple[int, ...]:
+    """Powers of two from ``slots / 8`` up, below ``slots``, and ``slots`` itself: four buckets
+    or fewer (56 slots: 8, 16, 32, 56), so compiles stay few."""
+    low = 1 << max(0, math.ceil(math.log2(max(slots / 8, 1))))
+    return (*(b for b in (low << i for i in range(8)) if b < slots), slots)
+
+
 def make(policy: Policy | str, *, buckets: Sequence[int] = (), shrink_after: int = 25) -> Scheduler:
     """A scheduler by name (``Policy``); ``buckets`` for ``buckets``."""
     policy = Policy(policy)
@@ -352,6 +360,7 @@ __all__ = [
     "Scheduler",
     "SlotBuckets",
     "WaitingWindow",
+    "default_buckets",
     "make",
     "retarget",
 ]
