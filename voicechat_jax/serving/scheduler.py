@@ -76,6 +76,11 @@ class BeatPlan:
         if not 1 <= self.bucket <= self.run.shape[0]:
             raise ValueError(f"bucket {self.bucket} outside [1, {self.run.shape[0]}]")
 
+    def running(self, live: Sequence[SessionId | None]) -> list[SessionId | None]:
+        """``live`` ([B] session or None) with the held sessions left out (None): the slots
+        whose input this beat takes (``InputQueues.take_beat``); a held one's stays queued."""
+        return [s if r else None for s, r in zip(live, self.run, strict=True)]
+
     def held(self, live: Sequence[SessionId | None]) -> list[SessionId]:
         """The live sessions this plan holds."""
         return [s for s, r in zip(live, self.run, strict=True) if s is not None and not r]
