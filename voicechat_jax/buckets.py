@@ -70,6 +70,10 @@ def resize(
     return jax.lax.fori_loop(0, jnp.sum(kept, dtype=jnp.int32), one, fresh)
 
 
+# One jitted resize; it compiles once per (old, new) slot count pair.
+_resize = jax.jit(resize, static_argnames="slots")
+
+
 def _pad_slots(out: state_lib.BeatOutput, *, slots: int) -> state_lib.BeatOutput:
     """Every leaf of ``out`` ([b, ...]) padded with zeros (``ran`` off) to ``slots`` rows."""
 
@@ -173,7 +177,6 @@ class BucketEngine(Engine):
             jitted = step_lib.make_tick(self.cfg, self.serve, self.precision)
             B = self.serve.slots
             pad = jax.jit(functools.partial(_pad_slots, slots=B))
-            grow = jax.jit(resize, static_argnames="slots")
             for b in self.buckets:
                 state_b = self._abstract_state(b)
                 if b in self._given:
@@ -190,7 +193,7 @@ class BucketEngine(Engine):
                 for c in self.buckets:
                     if c != b:
                         src = jax.ShapeDtypeStruct((c,), jnp.int32)
-                        low = grow.lower(state_b, self.template, src, slots=c)
+                        low = _resize.lower(state_b, self.template, src, slots=c)
                         self._resizes[(b, c)] = low.compile()
             self.compiles = len(self._ticks) - reused + len(self._pads) + len(self._resizes)
             self.compile_s = time.perf_counter() - t
@@ -227,9 +230,8 @@ class BucketEngine(Engine):
         self.compile_tick()
         src = source_slots(self.bucket, plan.bucket, [(m.src, m.dst) for m in plan.moves])
         t = time.perf_counter()
-        if plan.bucket == self.bucket:  # moves inside one bucket: not compiled ahead
-            fn = jax.jit(resize, static_argnames="slots")
-            self.state = fn(self.state, self.template, src, slots=plan.bucket)
+        if plan.bucket == self.bucket:  # moves inside one bucket: compiled on first use
+            self.state = _resize(self.state, self.template, src, slots=plan.bucket)
         else:
             self.state = self._resizes[(self.bucket, plan.bucket)](self.state, self.template, src)
         self.move_s.append(time.perf_counter() - t)

@@ -28,6 +28,7 @@ from voicechat_jax import config as config_lib
 from voicechat_jax.engine import Engine
 from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
+from voicechat_jax.serving.scheduler import BeatPlan
 from voicechat_jax.serving.server import Server, SessionPlan
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -78,8 +79,6 @@ def tick_ms(engine: Engine, ticks: int, *, live: int | None = None, warmup: int 
     engine.reset()
     n = engine.serve.slots if live is None else live
     if hasattr(engine, "buckets"):  # a BucketEngine: the smallest bucket that holds them
-        from voicechat_jax.serving.scheduler import BeatPlan
-
         bucket = next(b for b in engine.buckets if b >= n)
         engine.place(BeatPlan(run=np.ones(engine.serve.slots, bool), bucket=bucket))
     beat = engine.empty_beat()
