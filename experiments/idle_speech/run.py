@@ -40,7 +40,6 @@ import engine_runs as er  # noqa: E402
 import sim  # noqa: E402
 
 from voicechat_jax import config as config_lib  # noqa: E402
-from voicechat_jax import state as state_lib  # noqa: E402
 from voicechat_jax.engine import build_template  # noqa: E402
 from voicechat_jax.model import codec, ear_tts  # noqa: E402
 
@@ -67,6 +66,11 @@ SPEECH_BEAT = ("codec decode",)
 def bucket(k: int, B: int) -> int:
     """The smallest power of two >= k, at most B."""
     return min(B, 1 << max(0, math.ceil(math.log2(max(k, 1)))))
+
+
+def _slots(tree, n: int):
+    """``n`` copies of a batch-1 state (the template's speech decoder or codec part)."""
+    return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n, *x.shape[1:])).copy(), tree)
 
 
 def _gather(tree, idx):
@@ -121,7 +125,7 @@ def engine_part(rows: list[dict]) -> None:
         return er.time_call(call, calls=FLAGS.calls)
 
     for B in (int(x) for x in FLAGS.slots):
-        full = state_lib.from_template(template, B).model
+        full = template.replace(tts=_slots(template.tts, B), codec=_slots(template.codec, B))
         text = jnp.asarray(rng.integers(0, cfg.llm.vocab_size, B), jnp.int32)
         keys = jnp.asarray(rng.integers(0, 2**31, (B, 2)), jnp.uint32)
         codes = jnp.asarray(rng.integers(0, cfg.tts.codebook_size, (B, 2, Q)), jnp.int32)
@@ -133,7 +137,7 @@ def engine_part(rows: list[dict]) -> None:
             b = bucket(k, B)
             run = jnp.arange(B) < k
             idx = jnp.where(jnp.arange(b) < k, jnp.arange(b), B).astype(jnp.int32)  # pad: dropped
-            small = state_lib.from_template(template, b).model
+            small = template.replace(tts=_slots(template.tts, b), codec=_slots(template.codec, b))
             row = {
                 **base, "kind": "speech", "slots": B, "speaking": k, "bucket": b,
                 "tts_full_ms": t_full,
