@@ -26,7 +26,7 @@ from voicechat_jax.serving.sessions import CapacityError, InputQueues, SlotTable
 
 CFG = tiny()
 PREC = Precision.fp32()
-SERVE = ServeConfig(slots=2, frames_per_tick=2, context_frames=32)
+SERVE = ServeConfig(slots=2, frames_per_tick=2, context_frames=32, precision=PREC)
 BEAT = 2 * 1280
 SEED = 7
 
@@ -169,7 +169,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def engine(params):
-    engine = Engine(params, CFG, SERVE, PREC)
+    engine = Engine(params, CFG, SERVE)
     engine.compile_tick()
     return engine
 
@@ -178,7 +178,7 @@ def engine(params):
 def bucket_engine(params, engine):
     """Buckets of 1 and 2 slots; the 2-slot tick is the fixed engine's (one compile saved)."""
     e = buckets_lib.BucketEngine(
-        params, CFG, SERVE, PREC, buckets=(1, 2), template=engine.template,
+        params, CFG, SERVE, buckets=(1, 2), template=engine.template,
         ticks={2: engine.compile_tick()},
     )  # fmt: skip
     e.compile_tick()
@@ -348,5 +348,5 @@ def test_buckets_need_a_bucket_engine(engine):
         Server(engine, clock="offline", scheduler=sched.SlotBuckets((1, 2)))
     with pytest.raises(ValueError, match="end at 2"):
         buckets_lib.BucketEngine(
-            engine.params, CFG, SERVE, PREC, buckets=(1, 4), template=engine.template
+            engine.params, CFG, SERVE, buckets=(1, 4), template=engine.template
         )

@@ -34,7 +34,6 @@ from voicechat_jax import step as step_lib
 from voicechat_jax.config import ModelConfig, ServeConfig
 from voicechat_jax.engine import Engine, MemoryPlanError, plan_memory
 from voicechat_jax.model import voicechat
-from voicechat_jax.precision import Precision
 
 
 def resize(
@@ -110,8 +109,8 @@ class BucketEngine(Engine):
       buckets: slot counts; the largest must be ``serve.slots`` (the host's slot table). The state
         starts in the smallest.
       ticks: ticks already compiled for some of the buckets, by slot count: the
-        ``compile_tick()`` of an ``Engine`` with this ``cfg``, ``precision`` and ``serve`` (but for
-        ``slots``), and this ``params`` and ``template``: one compile saved per bucket (a fixed
+        ``compile_tick()`` of an ``Engine`` with this ``cfg`` and ``serve`` (but for ``slots``),
+        and this ``params`` and ``template``: one compile saved per bucket (a fixed
         engine's tick is the largest bucket's).
       Others as ``Engine`` (no mesh: the slot axis is not split).
 
@@ -124,7 +123,6 @@ class BucketEngine(Engine):
         params,
         cfg: ModelConfig,
         serve: ServeConfig,
-        precision: Precision,
         *,
         buckets: Sequence[int],
         template: voicechat.FrameState | None = None,
@@ -137,7 +135,7 @@ class BucketEngine(Engine):
         self.buckets = b
         self.bucket = b[0]  # the state's slot count now
         super().__init__(
-            params, cfg, serve, precision, template=template, memory_limit_bytes=memory_limit_bytes
+            params, cfg, serve, template=template, memory_limit_bytes=memory_limit_bytes
         )
         if len(b) > 1:
             peak = plan_memory(self.template, b[-1] + b[-2], limit_bytes=memory_limit_bytes)
@@ -174,7 +172,7 @@ class BucketEngine(Engine):
         if not self._ticks:
             t = time.perf_counter()
             reused = 0
-            jitted = step_lib.make_tick(self.cfg, self.serve, self.precision)
+            jitted = step_lib.make_tick(self.cfg, self.serve)
             B = self.serve.slots
             pad = jax.jit(functools.partial(_pad_slots, slots=B))
             for b in self.buckets:

@@ -74,8 +74,10 @@ def burst_plans(spb: int) -> list[SessionPlan]:
 def engine_part(rows: list[dict]) -> None:
     base = er.provenance(FLAGS.model)
     cfg, params, prec = er.build(FLAGS.model)
-    serve = config_lib.ServeConfig(slots=FLAGS.slots, context_frames=FLAGS.context_frames)
-    engine = Engine(params, cfg, serve, prec)
+    serve = config_lib.ServeConfig(
+        precision=prec, slots=FLAGS.slots, context_frames=FLAGS.context_frames
+    )
+    engine = Engine(params, cfg, serve)
     plans = burst_plans(engine.samples_per_beat)
     for q in (int(x) for x in FLAGS.queue_beats):
         policy = sched.AdmissionControl(sched.Lockstep(), queue_beats=q)

@@ -128,8 +128,8 @@ def engine_part(rows: list[dict]) -> None:
     one_slot = None
     last_engine = None
     for n in (int(x) for x in FLAGS.sessions):
-        serve = config_lib.ServeConfig(slots=n, context_frames=FLAGS.context_frames)
-        engine = Engine(params, cfg, serve, prec, template=template)
+        serve = config_lib.ServeConfig(precision=prec, slots=n, context_frames=FLAGS.context_frames)
+        engine = Engine(params, cfg, serve, template=template)
         template = engine.template
         t = er.tick_ms(engine, FLAGS.timed_ticks)
         plans = er.plans_all_joined(n, FLAGS.ticks, engine.samples_per_beat)
@@ -141,8 +141,8 @@ def engine_part(rows: list[dict]) -> None:
             one_slot = engine
         last_engine = engine
     if one_slot is None:
-        serve = config_lib.ServeConfig(slots=1, context_frames=FLAGS.context_frames)
-        one_slot = Engine(params, cfg, serve, prec, template=template)
+        serve = config_lib.ServeConfig(precision=prec, slots=1, context_frames=FLAGS.context_frames)
+        one_slot = Engine(params, cfg, serve, template=template)
     one_slot.compile_tick()
     t1 = float(np.median(er.tick_ms(one_slot, FLAGS.timed_ticks)))
     for n in (int(x) for x in FLAGS.per_session):

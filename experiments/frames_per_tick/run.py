@@ -57,9 +57,9 @@ def engine_part(rows: list[dict]) -> None:
     for f in (int(x) for x in FLAGS.fpt):
         counts = sorted({int(x) for x in FLAGS.sessions} | {FLAGS.serve_sessions} - {0})
         for n in counts:
-            serve = config_lib.ServeConfig(slots=n, frames_per_tick=f,
+            serve = config_lib.ServeConfig(precision=prec, slots=n, frames_per_tick=f,
                                            context_frames=FLAGS.context_frames)  # fmt: skip
-            engine = Engine(params, cfg, serve, prec, template=template)
+            engine = Engine(params, cfg, serve, template=template)
             template = engine.template
             t = er.tick_ms(engine, FLAGS.timed_ticks)
             rows.append({**base, "kind": "tick", "frames_per_tick": f, "slots": n,

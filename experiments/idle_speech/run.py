@@ -85,8 +85,8 @@ def _scatter(tree, idx, sub):
 def engine_part(rows: list[dict]) -> None:
     base = er.provenance(FLAGS.model)
     cfg, params, prec = er.build(FLAGS.model)
-    serve = config_lib.ServeConfig(slots=1, context_frames=FLAGS.context_frames)
-    template = build_template(params, cfg, serve, prec)
+    serve = config_lib.ServeConfig(precision=prec, slots=1, context_frames=FLAGS.context_frames)
+    template = build_template(params, cfg, serve)
     Q = cfg.tts.n_quantizers
     step = functools.partial(ear_tts.tts_step, cfg=cfg, deterministic=False)
     beat_codes = functools.partial(codec.decode_step, cfg=cfg.codec)

@@ -115,8 +115,10 @@ def engine_part(rows: list[dict]) -> None:
     template = None
     for n in (int(x) for x in FLAGS.sessions):
         for groups in (1, 2):
-            serve = config_lib.ServeConfig(slots=n // groups, context_frames=FLAGS.context_frames)
-            engine = Engine(params, cfg, serve, prec, template=template)
+            serve = config_lib.ServeConfig(
+                precision=prec, slots=n // groups, context_frames=FLAGS.context_frames
+            )
+            engine = Engine(params, cfg, serve, template=template)
             template = engine.template
             t = float(np.median(er.tick_ms(engine, FLAGS.timed_ticks)))
             r = staggered_run(engine, groups, FLAGS.ticks, FLAGS.warmup_ticks)

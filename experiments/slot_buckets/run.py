@@ -77,8 +77,8 @@ def engine_part(rows: list[dict]) -> None:
     buckets = sorted(int(x) for x in FLAGS.buckets)
     top = buckets[-1]
     cfg, params, prec = er.build(FLAGS.model)
-    serve = config_lib.ServeConfig(slots=top, context_frames=FLAGS.context_frames)
-    fixed = Engine(params, cfg, serve, prec)
+    serve = config_lib.ServeConfig(precision=prec, slots=top, context_frames=FLAGS.context_frames)
+    fixed = Engine(params, cfg, serve)
     fixed.compile_tick()
     rows.append({**base, "kind": "compile", "engine": "fixed", "programs": 1,
                  "compile_s": fixed.compile_s, "template_s": fixed.template_s})  # fmt: skip
@@ -93,7 +93,7 @@ def engine_part(rows: list[dict]) -> None:
     template = fixed.template
     fixed.state = None  # its state goes before the bucket engine's (they need not fit together)
     del fixed
-    engine = BucketEngine(params, cfg, serve, prec, buckets=buckets, template=template,
+    engine = BucketEngine(params, cfg, serve, buckets=buckets, template=template,
                           ticks=shared)  # fmt: skip
     engine.compile_tick()
     rows.append({**base, "kind": "compile", "engine": "buckets", "programs": engine.compiles,
