@@ -21,6 +21,7 @@ from voicechat_jax.engine import Engine
 from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import scheduler as sched
+from voicechat_jax.serving.hub import Join
 from voicechat_jax.serving.server import Server, SessionPlan, session_key
 from voicechat_jax.serving.sessions import CapacityError, InputQueues, SlotTable
 
@@ -341,6 +342,26 @@ def test_queued_session_is_admitted_when_a_slot_frees(engine):
     assert "session d refused after waiting 3 beats" in server.failures["d"]
     assert server.slots.session("c").admitted_tick == 3
     assert server.logs["c"].arrays()["text"].size == 3 * 2
+
+
+def test_network_session_waits_in_the_queue_then_is_admitted(engine):
+    """A hub (network) session that finds the slots full waits: its future resolves with a slot
+    once one frees; one still waiting when the run ends is refused, not left hanging."""
+    plans = [
+        SessionPlan(id="a", audio=_speech(1, 1), join=0, leave=3),
+        SessionPlan(id="b", audio=_speech(1, 2), join=0),
+    ]
+    engine.reset()
+    policy = sched.AdmissionControl(sched.Lockstep(), queue_beats=10)
+    server = Server(engine, clock="offline", seed=SEED, warmup_ticks=0, scheduler=policy)
+    early = server.hub.admit(Join("net-1"))  # asks before tick 0: both slots go to a and b
+    late = server.hub.admit(Join("net-2"))
+    server.run(plans, 5)
+    assert early.result(timeout=0) == 0  # a's slot, at tick 3
+    assert server.slots.session("net-1").admitted_tick == 3
+    with pytest.raises(CapacityError, match="server stopped: net-2 refused"):
+        late.result(timeout=0)
+    assert policy.queued == 2
 
 
 def test_buckets_need_a_bucket_engine(engine):

@@ -537,17 +537,18 @@ class Server:
         self.queues.discard_beats(k - last - 1)
 
     def _end_live_sessions(self, tick: int) -> None:
-        """On a stop request: every live session ends with a ``shutdown`` event (beat thread)."""
+        """On a stop request: every live session ends with a ``shutdown`` event (beat thread).
+        At any end, sessions still waiting for a slot are refused."""
+        for source, joins in self._waiting:
+            for join in joins:
+                source.refused(join, CapacityError(f"server stopped: {join.id} refused"), tick)
+        self._waiting.clear()
         if not self._stop.is_set():
             return
         for session in self.slots.sessions():
             self.slots.release(session.id, tick=tick)
             self.queues.close(session.id)
             self._end(session.id, SHUTDOWN, SHUTDOWN, tick)
-        for source, joins in self._waiting:  # still waiting for a slot: refused
-            for join in joins:
-                source.refused(join, CapacityError(f"server shutdown: {join.id} refused"), tick)
-        self._waiting.clear()
         for event in self.slots.drain_events():
             self._send(_Event(event))
 
