@@ -26,7 +26,6 @@ sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
 import sim  # noqa: E402
 
-from voicechat_jax import config as config_lib  # noqa: E402
 from voicechat_jax.engine import Engine  # noqa: E402
 from voicechat_jax.serving import scheduler as sched  # noqa: E402
 from voicechat_jax.serving.server import SessionPlan  # noqa: E402
@@ -55,6 +54,7 @@ flags.DEFINE_list("queue_s", ["0", "10", "30"], "Queue timeouts in seconds (0: r
 flags.DEFINE_float("mean_call_s", 60.0, "Mean call length (exponential), seconds ...")
 flags.DEFINE_float("max_call_s", 120.0, "... cut at the context cap.")
 flags.DEFINE_string("plot", str(_HERE / "admission_overload.png"), "PNG ('' for none).")
+er.define_engine_flags()
 
 
 # ---- engine part -------------------------------------------------------------------------------
@@ -73,10 +73,8 @@ def burst_plans(spb: int) -> list[SessionPlan]:
 
 def engine_part(rows: list[dict]) -> None:
     base = er.provenance(FLAGS.model)
-    cfg, params, prec = er.build(FLAGS.model)
-    serve = config_lib.ServeConfig(
-        precision=prec, slots=FLAGS.slots, context_frames=FLAGS.context_frames
-    )
+    cfg, params = er.build(FLAGS.model)
+    serve = er.serve_config(slots=FLAGS.slots, context_frames=FLAGS.context_frames)
     engine = Engine(params, cfg, serve)
     plans = burst_plans(engine.samples_per_beat)
     for q in (int(x) for x in FLAGS.queue_beats):

@@ -28,7 +28,6 @@ sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
 import sim  # noqa: E402
 
-from voicechat_jax import config as config_lib  # noqa: E402
 from voicechat_jax.engine import Engine  # noqa: E402
 from voicechat_jax.serving import scheduler as sched  # noqa: E402
 from voicechat_jax.serving.clock import BeatClock  # noqa: E402
@@ -52,6 +51,7 @@ flags.DEFINE_integer("seeds", 5, "Simulator seeds per point.")
 flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.")
 flags.DEFINE_list("windows_ms", ["0", "20", "60"], "Request-batching windows (simulated).")
 flags.DEFINE_string("plot", str(_HERE / "batching_policy.png"), "PNG ('' for none).")
+er.define_engine_flags()
 
 
 def per_session_run(engine: Engine, n: int, n_ticks: int, warmup: int) -> dict:
@@ -123,12 +123,12 @@ def late_plans(n: int, n_ticks: int, spb: int, fraction: float) -> list[SessionP
 
 def engine_part(rows: list[dict]) -> None:
     base = er.provenance(FLAGS.model)
-    cfg, params, prec = er.build(FLAGS.model)
+    cfg, params = er.build(FLAGS.model)
     template = None
     one_slot = None
     last_engine = None
     for n in (int(x) for x in FLAGS.sessions):
-        serve = config_lib.ServeConfig(precision=prec, slots=n, context_frames=FLAGS.context_frames)
+        serve = er.serve_config(slots=n, context_frames=FLAGS.context_frames)
         engine = Engine(params, cfg, serve, template=template)
         template = engine.template
         t = er.tick_ms(engine, FLAGS.timed_ticks)
@@ -141,7 +141,7 @@ def engine_part(rows: list[dict]) -> None:
             one_slot = engine
         last_engine = engine
     if one_slot is None:
-        serve = config_lib.ServeConfig(precision=prec, slots=1, context_frames=FLAGS.context_frames)
+        serve = er.serve_config(slots=1, context_frames=FLAGS.context_frames)
         one_slot = Engine(params, cfg, serve, template=template)
     one_slot.compile_tick()
     t1 = float(np.median(er.tick_ms(one_slot, FLAGS.timed_ticks)))

@@ -26,7 +26,6 @@ sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
 import sim  # noqa: E402
 
-from voicechat_jax import config as config_lib  # noqa: E402
 from voicechat_jax.engine import Engine  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -44,6 +43,7 @@ flags.DEFINE_string("profile_rows", str(er.H200_PROFILE), "H200 rows the simulat
 flags.DEFINE_integer("seeds", 5, "Simulator seeds per capacity probe.")
 flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.")
 flags.DEFINE_string("plot", str(_HERE / "frames_per_tick.png"), "PNG ('' for none).")
+er.define_engine_flags()
 
 # Components that run once per beat on all its frames (the rest step once per frame).
 PER_BEAT = ("mel + encoder", "RNNT head", "codec decode")
@@ -52,12 +52,12 @@ FRAME_MS = 80.0
 
 def engine_part(rows: list[dict]) -> None:
     base = er.provenance(FLAGS.model)
-    cfg, params, prec = er.build(FLAGS.model)
+    cfg, params = er.build(FLAGS.model)
     template = None
     for f in (int(x) for x in FLAGS.fpt):
         counts = sorted({int(x) for x in FLAGS.sessions} | {FLAGS.serve_sessions} - {0})
         for n in counts:
-            serve = config_lib.ServeConfig(precision=prec, slots=n, frames_per_tick=f,
+            serve = er.serve_config(slots=n, frames_per_tick=f,
                                            context_frames=FLAGS.context_frames)  # fmt: skip
             engine = Engine(params, cfg, serve, template=template)
             template = engine.template

@@ -39,7 +39,6 @@ sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
 import sim  # noqa: E402
 
-from voicechat_jax import config as config_lib  # noqa: E402
 from voicechat_jax.engine import build_template  # noqa: E402
 from voicechat_jax.model import codec, ear_tts  # noqa: E402
 
@@ -57,6 +56,7 @@ flags.DEFINE_list("sim_speaking", ["0.3", "0.5", "0.7", "1.0"], "Simulated speak
 flags.DEFINE_integer("seeds", 5, "Simulator seeds per capacity probe.")
 flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.")
 flags.DEFINE_string("plot", str(_HERE / "idle_speech.png"), "PNG ('' for none).")
+er.define_engine_flags()
 
 # The speech decoder's components in the beat_profile rows: per frame, and the codec per beat.
 SPEECH_FRAME = ("TTS backbone", "TTS text side", "MoG round", "RVQ encoding")
@@ -84,8 +84,8 @@ def _scatter(tree, idx, sub):
 
 def engine_part(rows: list[dict]) -> None:
     base = er.provenance(FLAGS.model)
-    cfg, params, prec = er.build(FLAGS.model)
-    serve = config_lib.ServeConfig(precision=prec, slots=1, context_frames=FLAGS.context_frames)
+    cfg, params = er.build(FLAGS.model)
+    serve = er.serve_config(slots=1, context_frames=FLAGS.context_frames)
     template = build_template(params, cfg, serve)
     Q = cfg.tts.n_quantizers
     step = functools.partial(ear_tts.tts_step, cfg=cfg, deterministic=False)

@@ -30,7 +30,6 @@ sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
 import sim  # noqa: E402
 
-from voicechat_jax import config as config_lib  # noqa: E402
 from voicechat_jax.engine import Engine  # noqa: E402
 from voicechat_jax.serving.clock import BeatClock  # noqa: E402
 from voicechat_jax.serving.server import session_key  # noqa: E402
@@ -50,6 +49,7 @@ flags.DEFINE_list("groups", ["1", "2", "4"], "Simulated group counts (equal size
 flags.DEFINE_integer("seeds", 5, "Simulator seeds per point.")
 flags.DEFINE_integer("sim_beats", 500, "Simulated beats per probe.")
 flags.DEFINE_string("plot", str(_HERE / "phase_stagger.png"), "PNG ('' for none).")
+er.define_engine_flags()
 
 
 def staggered_run(engine: Engine, groups: int, n_ticks: int, warmup: int) -> dict:
@@ -111,13 +111,11 @@ def staggered_run(engine: Engine, groups: int, n_ticks: int, warmup: int) -> dic
 
 def engine_part(rows: list[dict]) -> None:
     base = er.provenance(FLAGS.model)
-    cfg, params, prec = er.build(FLAGS.model)
+    cfg, params = er.build(FLAGS.model)
     template = None
     for n in (int(x) for x in FLAGS.sessions):
         for groups in (1, 2):
-            serve = config_lib.ServeConfig(
-                precision=prec, slots=n // groups, context_frames=FLAGS.context_frames
-            )
+            serve = er.serve_config(slots=n // groups, context_frames=FLAGS.context_frames)
             engine = Engine(params, cfg, serve, template=template)
             template = engine.template
             t = float(np.median(er.tick_ms(engine, FLAGS.timed_ticks)))

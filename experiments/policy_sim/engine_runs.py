@@ -1,6 +1,8 @@
-"""Real-engine measurements shared by the scheduling experiments (issue 15): no flags here.
+"""Real-engine measurements shared by the scheduling experiments (issue 15).
 
-Each experiment's ``run.py`` (absl) builds the model once with ``build``, then measures with:
+Each experiment's ``run.py`` (absl) calls ``define_engine_flags`` (precision policy and kernels,
+as ``voicechat-serve`` names them), builds the model once with ``build`` and its serve
+configurations with ``serve_config``, then measures with:
 
 - ``tick_ms``: device time of back-to-back ticks (each blocked on) with some slots live;
 - ``serve``: a serving run of scripted sessions on the beat clock under a scheduler, one row;
@@ -22,12 +24,12 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from absl import logging
+from absl import flags, logging
 
 from voicechat_jax import config as config_lib
+from voicechat_jax import precision as precision_lib
 from voicechat_jax.engine import Engine
 from voicechat_jax.model import voicechat
-from voicechat_jax.precision import Precision
 from voicechat_jax.serving.scheduler import BeatPlan
 from voicechat_jax.serving.server import Server, SessionPlan
 
@@ -48,18 +50,48 @@ def provenance(model: str) -> dict:
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "commit": commit,
+        **engine_flags(),
     }
 
 
-def build(model: str, precision: str = "reference"):
-    """(cfg, params, precision) of a preset with random weights, jitted init."""
+def define_engine_flags() -> None:
+    """``--precision``, ``--ssm_kernel``, ``--attention``, ``--tts_attention``, ``--projection``."""
+    flags.DEFINE_string("precision", "reference", "Precision policy (precision.POLICIES).")
+    flags.DEFINE_string("ssm_kernel", "xla", "LLM Mamba step update (ServeConfig.ssm_kernel).")
+    flags.DEFINE_string("attention", "xla", "LLM decode attention (ServeConfig.attention).")
+    flags.DEFINE_string("tts_attention", None, "Speech decoder's attention (default: as LLM's).")
+    flags.DEFINE_string("projection", "xla", "LLM projections (ServeConfig.projection).")
+
+
+def serve_config(**kw) -> config_lib.ServeConfig:
+    """A ``ServeConfig`` with the flags' precision policy and kernels, and ``kw``."""
+    f = flags.FLAGS
+    return config_lib.ServeConfig(
+        precision=precision_lib.policy(f.precision),
+        ssm_kernel=f.ssm_kernel,
+        attention=f.attention,
+        tts_attention=f.tts_attention,
+        projection=f.projection,
+        **kw,
+    )
+
+
+def engine_flags() -> dict:
+    """The flags' precision and kernels, for the rows."""
+    f = flags.FLAGS
+    names = ("precision", "ssm_kernel", "attention", "tts_attention", "projection")
+    return {n: getattr(f, n) for n in names}
+
+
+def build(model: str):
+    """(cfg, params) of a preset with random weights in the flags' precision policy (jitted)."""
     cfg = config_lib.PRESETS[model]()
-    prec = Precision.fp32() if precision == "fp32" else Precision.reference()
+    prec = precision_lib.policy(flags.FLAGS.precision)
     t = time.perf_counter()
     params = jax.jit(lambda k: voicechat.init(k, cfg, prec))(jax.random.key(0))
     jax.block_until_ready(params)
     logging.info("random %s params in %.1f s", model, time.perf_counter() - t)
-    return cfg, params, prec
+    return cfg, params
 
 
 def speech(n: int, seed: int) -> np.ndarray:

@@ -28,7 +28,6 @@ sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
 import sim  # noqa: E402
 
-from voicechat_jax import config as config_lib  # noqa: E402
 from voicechat_jax.buckets import BucketEngine  # noqa: E402
 from voicechat_jax.engine import Engine  # noqa: E402
 from voicechat_jax.serving import scheduler as sched  # noqa: E402
@@ -53,6 +52,7 @@ flags.DEFINE_list("erlangs", ["10", "20", "30", "40", "50"], "Simulated offered 
 flags.DEFINE_list("hysteresis", ["0", "25", "125"], "Simulated shrink_after values (beats).")
 flags.DEFINE_integer("hour_beats", 22500, "Simulated beats (22,500 = one hour).")
 flags.DEFINE_string("plot", str(_HERE / "slot_buckets.png"), "PNG ('' for none).")
+er.define_engine_flags()
 
 
 def churn_plans(slots: int, n_ticks: int, spb: int) -> list[SessionPlan]:
@@ -76,8 +76,8 @@ def engine_part(rows: list[dict]) -> None:
     base = er.provenance(FLAGS.model)
     buckets = sorted(int(x) for x in FLAGS.buckets)
     top = buckets[-1]
-    cfg, params, prec = er.build(FLAGS.model)
-    serve = config_lib.ServeConfig(precision=prec, slots=top, context_frames=FLAGS.context_frames)
+    cfg, params = er.build(FLAGS.model)
+    serve = er.serve_config(slots=top, context_frames=FLAGS.context_frames)
     fixed = Engine(params, cfg, serve)
     fixed.compile_tick()
     rows.append({**base, "kind": "compile", "engine": "fixed", "programs": 1,
