@@ -137,3 +137,61 @@ def test_poisson_traffic_router_and_refusals():
                              router="first_fit")  # fmt: skip
     assert ff.live[1:].sum() == 0  # 1.5 Erlangs never fill engine 0
     assert math.isclose(ff.refused, 0)
+
+
+def test_one_group_is_lockstep_and_two_groups_share_the_device():
+    cost = sim.StepCost(a_ms=25.0, b_ms=1.0, c_ms=0.0)  # tick = 50 + 2*B ms
+    one = sim.simulate_groups(cost, 6, [8], [0.0])[0]
+    lock = sim.simulate_lockstep(cost, 6, 8, slots=8)
+    np.testing.assert_allclose(one.latency_ms, lock.latency_ms)
+    # Two groups of 4 half a beat apart: each tick 58 ms, alone on the device: latency 58.
+    two = sim.simulate_groups(cost, 6, [4, 4], [0.0, 80.0])
+    for g in two:
+        np.testing.assert_allclose(g.latency_ms, 58.0)
+    # 100 ms ticks half a beat apart collide (computed by hand): group 0's tick 0 ends at 100,
+    # group 1's (due 80) waits for it and ends at 200 (120 ms), group 0's tick 1 (due 160) at
+    # 300 (140 ms): the queue grows by 40 ms a beat.
+    slow = sim.StepCost(a_ms=50.0, b_ms=0.0, c_ms=0.0)
+    g0, g1 = sim.simulate_groups(slow, 2, [1, 1], [0.0, 80.0])
+    np.testing.assert_allclose(g0.latency_ms, [100.0, 140.0])
+    np.testing.assert_allclose(g1.latency_ms, [120.0, 160.0])
+    assert g1.missed.tolist() == [False, False]  # 160 is not past the deadline
+
+
+def test_admission_queue_by_hand():
+    # One slot; calls at 0, 1, 2 s lasting 3, 10, 10 s. With a 5 s queue the second waits from 1
+    # to 3 and runs to 13; the third would wait past 7 and is refused. Without a queue both are.
+    arr, dur = np.array([0.0, 1.0, 2.0]), np.array([3.0, 10.0, 10.0])
+    q = sim.admit_calls(arr, dur, max_live=1, queue_s=5.0, n_beats=100)
+    assert (q.offered, q.refused) == (3, 1)
+    np.testing.assert_allclose(q.waited_s, [0.0, 2.0])
+    assert q.live.max() == 1
+    assert q.live[int(12.9 / 0.16)] == 1
+    assert q.live[int(13.1 / 0.16) + 1] == 0
+    no = sim.admit_calls(arr, dur, max_live=1, queue_s=0.0, n_beats=100)
+    assert no.refused == 2
+
+
+def test_arrival_rates():
+    rng = np.random.default_rng(0)
+    a = sim.arrival_times(rng, 2.0, 1000.0)
+    assert abs(a.size - 2000) < 3 * math.sqrt(2000)
+    assert np.all(np.diff(a) >= 0)
+    assert a.max() < 1000.0
+    b = sim.arrival_times(rng, lambda t: np.where(t < 500, 4.0, 0.0), 1000.0, peak_per_s=4.0)
+    assert b.max() < 500
+    assert abs(b.size - 2000) < 3 * math.sqrt(2000)
+
+
+def test_period_and_tick_cost_override():
+    res = sim.simulate_lockstep(FLAT, 5, 2, slots=2, period_ms=80.0, tick_cost=lambda B: 90.0)
+    np.testing.assert_allclose(res.latency_ms[:2], [90.0, 100.0])  # the device falls behind
+    assert res.missed[:2].tolist() == [True, True]
+    assert res.summary()["busy_frac"] == pytest.approx(res.busy_ms / 400.0)
+
+
+def test_resize_cost_is_paid_on_a_bucket_change():
+    live = [3, 3, 12, 12, 3]
+    res = sim.simulate_lockstep(FLAT, 5, lambda k: live[k], slots=16, buckets=[4, 16],
+                                resize_ms=lambda a, b: 7.0)  # fmt: skip
+    np.testing.assert_allclose(res.latency_ms, [50.0, 50.0, 57.0, 50.0, 57.0])

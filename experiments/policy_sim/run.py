@@ -45,22 +45,10 @@ flags.DEFINE_float("max_call_s", 120.0, "Calls end at the context cap (1,500 fra
 flags.DEFINE_list("gpus", ["1", "2", "4", "8"], "Engine counts for the several-GPU sketch.")
 flags.DEFINE_list("windows_ms", ["0", "20", "60"], "Request-batching windows.")
 
-# The components whose bytes scale with the context cap (caches read whole every frame-step).
-_CONTEXT_COMPONENTS = ("LLM attention", "TTS backbone")
-
 
 def _rows(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def context_share(components: list[dict]) -> float:
-    """Share of a slot's bytes (growth from 16 to 32 slots) in context-sized caches."""
-    by = {(r["component"], r["slots"]): r["bytes"] for r in components}
-    names = {c for c, _ in by}
-    grow = {c: by[(c, 32)] - by[(c, 16)] for c in names if (c, 16) in by and (c, 32) in by}
-    ctx = sum(v for c, v in grow.items() if c.startswith(_CONTEXT_COMPONENTS))
-    return ctx / sum(grow.values())
 
 
 def _mean_summary(runs: list[dict]) -> dict:
@@ -93,7 +81,7 @@ def main(argv):
     y = [r["ms_per_frame_step"] for r in ticks]
 
     # 1. Step-cost model and its leave-one-out error.
-    share = context_share(comps)
+    share = sim.context_share(comps)
     cost = sim.fit_step_cost(B, y, context_share=share)
     loo = sim.leave_one_out(B, y, context_share=share)
     emit({"kind": "model", "context_share": share, **vars(cost)} | {"frames_per_tick": 2})

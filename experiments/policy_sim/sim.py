@@ -197,13 +197,14 @@ class Result:
     span_ms: float  # simulated wall time
     skipped: int = 0
     launches: int = 0
+    period_ms: float = BEAT_MS  # the beat: one session-beat is this much conversation
 
     def summary(self) -> dict:
         """p50/p99/max latency, missed ticks, miss rate over ticks and over session-beats."""
         lat = self.latency_ms[~np.isnan(self.latency_ms)]
         n = len(self.missed)
         sess_beats = float(self.live.sum())
-        conv_hours = sess_beats * BEAT_MS / 3.6e6
+        conv_hours = sess_beats * self.period_ms / 3.6e6
         pct = (lambda q: float(np.percentile(lat, q))) if len(lat) else (lambda q: math.nan)
         return {
             "p50_ms": pct(50),
@@ -255,12 +256,15 @@ def simulate_lockstep(
     slots: int,
     tail: Tail = Tail(),
     rng: np.random.Generator | None = None,
-    deadline_ms: float = BEAT_MS,
+    deadline_ms: float | None = None,
     max_inflight: int = 2,
     buckets: Sequence[int] | None = None,
     context_frac: float = 1.0,
     stalls: Sequence[tuple[int, float]] = (),
     device_ms: Callable[[int], float] | None = None,
+    period_ms: float = BEAT_MS,
+    tick_cost: Callable[[int], float] | None = None,
+    resize_ms: Callable[[int, int], float] | None = None,
 ) -> Result:
     """The dispatch loop on a simulated clock: all slots every beat (the engine today).
 
@@ -271,12 +275,19 @@ def simulate_lockstep(
       stalls: ``(tick, ms)``: the host stalls this long right after dispatching ``tick``
         (hand-made cases); random stalls come from ``tail.stall_prob``.
       device_ms: overrides the device time of tick ``k`` (hand-made cases); no jitter then.
+      period_ms: the beat (``frames_per_tick * 80``); the deadline defaults to it.
+      tick_cost: device ms of a tick of ``B`` slots, instead of ``cost.tick_ms(B, context_frac)``
+        (another frames-per-tick); jitter is added as usual.
+      resize_ms: with ``buckets``, device ms of moving the state from one bucket to another
+        (old, new), added to the first tick in the new bucket.
     """
     rng = np.random.default_rng(0) if rng is None else rng
     live_at = (lambda k: live) if isinstance(live, int) else live
+    if deadline_ms is None:
+        deadline_ms = period_ms
     clock_time = _SimTime()
     clock = BeatClock(
-        BEAT_MS / 1e3, "realtime", deadline_s=deadline_ms / 1e3, now=clock_time.now,
+        period_ms / 1e3, "realtime", deadline_s=deadline_ms / 1e3, now=clock_time.now,
         sleep=clock_time.sleep,
     )  # fmt: skip
     clock.begin(0.0)
@@ -290,6 +301,7 @@ def simulate_lockstep(
     last: int | None = None
     skipped = launches = 0
     host = tail.host_ms
+    bucket_now = None
     while True:
         k = clock.next_tick(last)
         if k >= n_beats:
@@ -313,7 +325,11 @@ def simulate_lockstep(
         if device_ms is not None:
             d = device_ms(k)
         else:
-            d = cost.tick_ms(batch, context_frac) + tail.draw_ms(batch, rng)
+            base = cost.tick_ms(batch, context_frac) if tick_cost is None else tick_cost(batch)
+            d = base + tail.draw_ms(batch, rng)
+        if resize_ms is not None and bucket_now is not None and batch != bucket_now:
+            d += resize_ms(bucket_now, batch)
+        bucket_now = batch
         start = max(now + host / 2, device_free)  # prepare on the host, then queued in order
         device_free = start + d
         busy += d
@@ -325,10 +341,12 @@ def simulate_lockstep(
         # The host is free again once the beat is dispatched; a stall delays its next wait.
         free = now + host / 2 + stall_at.get(k, 0.0)
         if tail.stall_prob and rng.random() < tail.stall_prob:
-            free = max(free, (k + 2 + STALL_LATE_MAX * rng.random()) * BEAT_MS)
+            free = max(free, (k + 2 + STALL_LATE_MAX * rng.random()) * period_ms)
         clock_time.t = free / 1e3
-    span = n_beats * BEAT_MS
-    return Result(lat, missed, served, busy, span, skipped=skipped, launches=launches)
+    span = n_beats * period_ms
+    return Result(
+        lat, missed, served, busy, span, skipped=skipped, launches=launches, period_ms=period_ms
+    )
 
 
 # ---- request-style batching -------------------------------------------------------------------
@@ -457,3 +475,250 @@ def poisson_traffic(
         k1 = min(n_beats, math.ceil((a + d) * 1e3 / BEAT_MS))
         live[e, k0:k1] += 1
     return Traffic(live=live, offered=len(arrivals), refused=refused)
+
+
+# ---- the fit to the H200 rows, in one call ----------------------------------------------------
+
+# The components whose bytes scale with the context cap (caches read whole every frame-step).
+CONTEXT_COMPONENTS = ("LLM attention", "TTS backbone")
+
+
+def context_share(components: list[dict]) -> float:
+    """Share of a slot's bytes (growth from 16 to 32 slots) in context-sized caches."""
+    by = {(r["component"], r["slots"]): r["bytes"] for r in components}
+    names = {c for c, _ in by}
+    grow = {c: by[(c, 32)] - by[(c, 16)] for c in names if (c, 16) in by and (c, 32) in by}
+    ctx = sum(v for c, v in grow.items() if c.startswith(CONTEXT_COMPONENTS))
+    return ctx / sum(grow.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class H200Fit:
+    """The step-cost and tail models fitted to ``experiments/beat_profile``'s H200 rows."""
+
+    cost: StepCost
+    tail: Tail  # jitter, host stalls and host overhead
+    quiet: Tail  # the same without host stalls (load-independent misses no policy removes)
+    share: float  # context share of a slot's bytes
+    host_each: dict[int, float]  # host ms per beat, per serving row
+    ticks: list[dict]  # the kind=tick rows
+    serves: list[dict]  # the kind=serve rows
+    components: list[dict]  # the kind=component rows
+
+
+def fit_h200(rows: list[dict]) -> H200Fit:
+    """Fits the models as ``policy_sim/run.py`` does (README there): step cost to the tick rows,
+    jitter and host overhead to the serving rows the server kept up with, host stalls to the
+    missed ticks of the rows whose jitter reaches no deadline."""
+    ticks = sorted((r for r in rows if r["kind"] == "tick"), key=lambda r: r["slots"])
+    serves = sorted((r for r in rows if r["kind"] == "serve"), key=lambda r: r["sessions"])
+    comps = [r for r in rows if r["kind"] == "component"]
+    share = context_share(comps)
+    cost = fit_step_cost(
+        [r["slots"] for r in ticks], [r["ms_per_frame_step"] for r in ticks], context_share=share
+    )
+    ok = [r for r in serves if r["p50_ms"] < BEAT_MS]
+    u, v = fit_jitter([r["sessions"] for r in ok], [r["p99_ms"] - r["p50_ms"] for r in ok])
+    sigma_max = max(r["sessions"] for r in ok)
+    jitter = Tail(log_sigma0=u, log_sigma1=v, sigma_batch_max=sigma_max)
+    tick_of = {r["slots"]: float(np.median(r["ms"])) for r in ticks}
+    host_each = {r["sessions"]: r["p50_ms"] - tick_of[r["sessions"]] for r in ok}
+    host = float(np.mean(list(host_each.values())))
+    quiet_rows = [r for r in ok if r["p50_ms"] + 3 * jitter.sigma_ms(r["sessions"]) < BEAT_MS]
+    stall = sum(r["missed_ticks"] for r in quiet_rows) / sum(r["steady_ticks"] for r in quiet_rows)
+    return H200Fit(
+        cost=cost,
+        tail=Tail(u, v, stall, host, sigma_max),
+        quiet=Tail(u, v, 0.0, host, sigma_max),
+        share=share,
+        host_each=host_each,
+        ticks=ticks,
+        serves=serves,
+        components=comps,
+    )
+
+
+def validate(fit: H200Fit, seeds: int = 5) -> list[dict]:
+    """Simulated lockstep against each real serving row (host overhead from the other rows)."""
+    out = []
+    for r in fit.serves:
+        n = r["sessions"]
+        others = [h for m, h in fit.host_each.items() if m != n] or [fit.tail.host_ms]
+        t = dataclasses.replace(fit.tail, host_ms=float(np.mean(others)))
+        runs = [
+            simulate_lockstep(fit.cost, r["steady_ticks"], n, slots=n, tail=t,
+                              rng=np.random.default_rng(s)).summary()
+            for s in range(seeds)
+        ]  # fmt: skip
+        p50 = float(np.mean([x["p50_ms"] for x in runs]))
+        out.append({
+            "sessions": n, "real_p50_ms": r["p50_ms"], "sim_p50_ms": p50,
+            "p50_error": p50 / r["p50_ms"] - 1, "real_p99_ms": r["p99_ms"],
+            "sim_p99_ms": float(np.mean([x["p99_ms"] for x in runs])),
+            "real_missed": r["missed_ticks"],
+            "sim_missed": float(np.mean([x["missed"] for x in runs])), "ticks": r["steady_ticks"],
+        })  # fmt: skip
+    return out
+
+
+# ---- phase-staggered slot groups --------------------------------------------------------------
+
+
+def simulate_groups(
+    cost: StepCost,
+    n_beats: int,
+    sizes: Sequence[int],
+    offsets_ms: Sequence[float],
+    *,
+    tail: Tail = Tail(),
+    rng: np.random.Generator | None = None,
+    period_ms: float = BEAT_MS,
+    deadline_ms: float | None = None,
+    max_inflight: int = 2,
+    context_frac: float = 1.0,
+) -> list[Result]:
+    """Slot groups of ``sizes[g]`` slots, each on its own beat clock offset by ``offsets_ms[g]``,
+    sharing one device: group g's tick k starts at ``k*P + offsets_ms[g]``, the host prepares it
+    (``host_ms / 2``, one beat at a time), the device runs ticks first come first served, each
+    costing ``t(sizes[g])`` plus jitter; a tick due while ``max_inflight`` of its group's are on
+    the device is skipped. Host stalls are not modelled. One ``Result`` per group; one group at
+    offset 0 is ``simulate_lockstep`` without stalls."""
+    rng = np.random.default_rng(0) if rng is None else rng
+    deadline_ms = period_ms if deadline_ms is None else deadline_ms
+    G = len(sizes)
+    events = sorted((k * period_ms + offsets_ms[g], g, k) for g in range(G) for k in range(n_beats))
+    lat = np.full((G, n_beats), np.nan)
+    missed = np.zeros((G, n_beats), bool)
+    busy = np.zeros(G)
+    launches = np.zeros(G, int)
+    skipped = np.zeros(G, int)
+    sent: list[collections.deque[float]] = [collections.deque() for _ in range(G)]
+    host_free = device_free = 0.0
+    h = tail.host_ms
+    for start, g, k in events:
+        now = max(start, host_free)
+        while sent[g] and sent[g][0] <= now:
+            sent[g].popleft()
+        if len(sent[g]) >= max_inflight:
+            missed[g, k] = True
+            skipped[g] += 1
+            continue
+        d = cost.tick_ms(sizes[g], context_frac) + tail.draw_ms(sizes[g], rng)
+        host_free = now + h / 2
+        begin = max(host_free, device_free)
+        device_free = begin + d
+        busy[g] += d
+        launches[g] += 1
+        readable = device_free + h / 2
+        sent[g].append(readable)
+        lat[g, k] = readable - start
+        missed[g, k] = lat[g, k] > deadline_ms
+    span = n_beats * period_ms
+    return [
+        Result(lat[g], missed[g], np.full(n_beats, float(sizes[g])), float(busy[g]), span,
+               skipped=int(skipped[g]), launches=int(launches[g]), period_ms=period_ms)
+        for g in range(G)
+    ]  # fmt: skip
+
+
+# ---- calls arriving, admission with a threshold and a queue -----------------------------------
+
+
+def arrival_times(
+    rng: np.random.Generator,
+    rate_per_s: Callable[[np.ndarray], np.ndarray] | float,
+    span_s: float,
+    *,
+    peak_per_s: float | None = None,
+) -> np.ndarray:
+    """Arrival times (s) in ``[0, span_s)`` of a Poisson process of rate ``rate_per_s`` (a constant,
+    or a function of time drawn by thinning a process of rate ``peak_per_s``)."""
+    if not callable(rate_per_s):
+        r = float(rate_per_s)
+        return _cut(np.cumsum(rng.exponential(1.0 / r, int(r * span_s * 1.5) + 50)), span_s, rng, r)
+    peak = float(peak_per_s)
+    draws = np.cumsum(rng.exponential(1.0 / peak, int(peak * span_s * 1.5) + 50))
+    cand = _cut(draws, span_s, rng, peak)
+    return cand[rng.random(cand.size) < rate_per_s(cand) / peak]
+
+
+def _cut(times: np.ndarray, span_s: float, rng: np.random.Generator, rate: float) -> np.ndarray:
+    """``times`` below ``span_s``, drawing more if they did not reach it."""
+    while times[-1] < span_s:
+        more = times[-1] + np.cumsum(rng.exponential(1.0 / rate, int(rate * span_s * 0.5) + 50))
+        times = np.concatenate([times, more])
+    return times[times < span_s]
+
+
+@dataclasses.dataclass
+class Admitted:
+    """What admission did to a stream of calls."""
+
+    live: np.ndarray  # [beats] calls live at each beat
+    offered: int
+    refused: int  # refused at once or after waiting ``queue_s``
+    waited_s: np.ndarray  # [admitted] how long each admitted call waited
+    abandoned_after_s: float  # the queue timeout (a refused call waited this long, or 0)
+
+
+def admit_calls(
+    arrivals_s: np.ndarray,
+    durations_s: np.ndarray,
+    *,
+    max_live: int,
+    queue_s: float,
+    n_beats: int,
+    period_ms: float = BEAT_MS,
+) -> Admitted:
+    """Admission in front of one engine: a call is admitted if fewer than ``max_live`` are live
+    and nobody waits; else it waits, first come first served, for up to ``queue_s`` (0: refused
+    at once) and is refused when that passes. An admitted call lasts its whole duration from its
+    admission. (``scheduler.AdmissionControl`` on the server.)"""
+    ends: list[float] = []  # heap of end times of live calls
+    queue: collections.deque[tuple[float, float]] = collections.deque()  # (arrival, duration)
+    spans: list[tuple[float, float]] = []
+    waited: list[float] = []
+    refused = 0
+
+    def start(t: float, a: float, d: float) -> None:
+        heapq.heappush(ends, t + d)
+        spans.append((t, t + d))
+        waited.append(t - a)
+
+    def drain_until(t: float) -> None:
+        """Ends calls up to ``t``; each freed slot goes to the oldest caller still waiting."""
+        nonlocal refused
+        while ends and ends[0] <= t:
+            e = heapq.heappop(ends)
+            while queue and queue[0][0] + queue_s < e:
+                queue.popleft()
+                refused += 1
+            if queue:
+                a, d = queue.popleft()
+                start(e, a, d)
+        while queue and queue[0][0] + queue_s < t:
+            queue.popleft()
+            refused += 1
+
+    for a, d in zip(arrivals_s, durations_s, strict=True):
+        drain_until(a)
+        if len(ends) < max_live and not queue:
+            start(a, a, d)
+        elif queue_s > 0:
+            queue.append((a, d))
+        else:
+            refused += 1
+    drain_until(math.inf)
+    live = np.zeros(n_beats + 1)
+    P = period_ms / 1e3
+    for t0, t1 in spans:
+        k0, k1 = min(n_beats, math.ceil(t0 / P)), min(n_beats, math.ceil(t1 / P))
+        live[k0] += 1
+        live[k1] -= 1
+    return Admitted(
+        live=np.cumsum(live)[:n_beats].astype(np.int32),
+        offered=len(arrivals_s),
+        refused=refused,
+        waited_s=np.asarray(waited),
+        abandoned_after_s=queue_s,
+    )

@@ -123,6 +123,26 @@ flags.DEFINE_enum(
     "Garbage collection: only in a beat's slack after a frozen start-up heap (slack), or "
     "Python's automatic collector (default; for comparison).",
 )
+flags.DEFINE_enum(
+    "scheduler",
+    "lockstep",
+    ["lockstep", "buckets"],
+    "Batching policy: lockstep (every slot every beat, one compiled tick) or buckets (ticks "
+    "compiled for a few slot counts, live sessions compacted into the smallest that holds them: "
+    "less device time at partial load; experiments/slot_buckets). Buckets need --loop=dispatch.",
+)
+flags.DEFINE_list(
+    "buckets",
+    [],
+    "Slot counts of --scheduler=buckets, ending at --slots (default: powers of two "
+    "from slots/8, and slots).",
+)
+flags.DEFINE_integer(
+    "shrink_after",
+    25,
+    "--scheduler=buckets: beats the live count must fit a smaller bucket "
+    "before sessions are moved into it.",
+)
 flags.DEFINE_float(
     "drain_timeout_s", 10.0, "After SIGTERM/SIGINT, exit 1 if draining takes longer than this."
 )
@@ -179,6 +199,26 @@ def _check_devices(values: dict) -> bool:
         )
     if n >= 1 and slots % n:
         raise flags.ValidationError(f"--slots={slots} does not split evenly over --devices={n}")
+    return True
+
+
+@flags.multi_flags_validator(["scheduler", "buckets", "slots", "loop", "shrink_after", "devices"])
+def _check_buckets(values: dict) -> bool:
+    if values["scheduler"] != "buckets":
+        if values["buckets"]:
+            raise flags.ValidationError("--buckets needs --scheduler=buckets")
+        return True
+    if values["loop"] != "dispatch":
+        raise flags.ValidationError("--scheduler=buckets needs --loop=dispatch")
+    if values["devices"] != 1:
+        raise flags.ValidationError("--scheduler=buckets serves one device (--devices=1)")
+    if values["shrink_after"] < 1:
+        raise flags.ValidationError("--shrink_after must be >= 1")
+    b = values["buckets"]
+    if b and not all(x.strip().isdigit() and int(x) >= 1 for x in b):
+        raise flags.ValidationError("--buckets must be slot counts >= 1, comma-separated")
+    if b and max(int(x) for x in b) != values["slots"]:
+        raise flags.ValidationError(f"--buckets must end at --slots={values['slots']}")
     return True
 
 
@@ -319,6 +359,9 @@ def options_from_flags() -> runner.RunOptions:
         gc_policy=FLAGS.gc_policy,
         listen=listen,
         net={"idle_timeout_s": FLAGS.idle_timeout_s, "record_calls": FLAGS.record_calls},
+        scheduler=FLAGS.scheduler,
+        buckets=tuple(int(x) for x in FLAGS.buckets),
+        shrink_after=FLAGS.shrink_after,
     )
 
 

@@ -24,8 +24,10 @@ from jax.sharding import Mesh
 from voicechat_jax import config as config_lib
 from voicechat_jax import mesh as mesh_lib
 from voicechat_jax import step as step_lib
+from voicechat_jax.buckets import BucketEngine
 from voicechat_jax.model import voicechat
 from voicechat_jax.serving import audio as audio_lib
+from voicechat_jax.serving import scheduler as scheduler_lib
 from voicechat_jax.serving.metrics import format_table
 from voicechat_jax.serving.server import Engine, Server, SessionPlan
 
@@ -57,6 +59,9 @@ class RunOptions:
     gc_policy: str = "slack"
     listen: str | None = None  # HOST:PORT: serve live calls there too (``serving.net``)
     net: dict = dataclasses.field(default_factory=dict)  # more ``net.NetConfig`` fields
+    scheduler: str = "lockstep"  # scheduler.Policy
+    buckets: tuple[int, ...] = ()  # scheduler 'buckets': slot counts (default: default_buckets)
+    shrink_after: int = 25  # scheduler 'buckets': beats of fitting a smaller bucket before a move
 
     @property
     def n_ticks(self) -> int:
@@ -159,6 +164,20 @@ def build(options: RunOptions, mesh: Mesh | None = None):
     return cfg, params, options.serve, tokenizer
 
 
+def build_engine(options: RunOptions, params, cfg, serve, mesh: Mesh | None = None):
+    """The engine and the scheduler of ``options.scheduler``: ``lockstep`` on an ``Engine``
+    (over ``mesh`` if given); ``buckets`` on a ``BucketEngine`` (one device; its ticks compiled
+    before the clock starts)."""
+    if scheduler_lib.Policy(options.scheduler) == scheduler_lib.Policy.BUCKETS:
+        if mesh is not None:
+            raise ValueError("slot buckets serve one device (--devices=1)")
+        buckets = options.buckets or scheduler_lib.default_buckets(serve.slots)
+        engine = BucketEngine(params, cfg, serve, buckets=buckets)
+        policy = scheduler_lib.make("buckets", buckets=buckets, shrink_after=options.shrink_after)
+        return engine, policy
+    return Engine(params, cfg, serve, mesh=mesh), scheduler_lib.Lockstep()
+
+
 def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResult:
     """Serves the scripted sessions of ``options``, streaming their outputs.
 
@@ -174,7 +193,7 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
     plans, failures = plans_for(options, n_ticks, inputs)
     compiles = step_lib.CompileCounter("tick")
     with compiles:
-        engine = Engine(params, cfg, serve, mesh=mesh)
+        engine, scheduler = build_engine(options, params, cfg, serve, mesh)
         # Line-buffered: each tick's line reaches the file as it is recorded (by the writer thread).
         with open(os.path.join(options.output_dir, "metrics.jsonl"), "w", buffering=1) as sink:
             server = Server(
@@ -191,6 +210,7 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
                 keep_outputs=False,
                 tokenizer=tokenizer,
                 stop_event=stop,
+                scheduler=scheduler,
             )
             for sid, message in failures.items():
                 server.metrics.record_event("failed", session=sid, tick=None, message=message)

@@ -46,7 +46,7 @@ from voicechat_jax import state as state_lib
 from voicechat_jax.engine import Engine
 from voicechat_jax.serving.clock import OFFLINE, BeatClock, TickTiming
 from voicechat_jax.serving.gc_policy import GcMonitor, GcPolicy
-from voicechat_jax.serving.hub import ScriptedSessions, SessionHub, SessionPlan, SessionSource
+from voicechat_jax.serving.hub import Join, ScriptedSessions, SessionHub, SessionPlan, SessionSource
 from voicechat_jax.serving.memory import (
     ConversationMemory,
     MemoryConfig,
@@ -55,6 +55,7 @@ from voicechat_jax.serving.memory import (
     build_capsule,
 )
 from voicechat_jax.serving.metrics import Cause, HostTimeline, MetricsRecorder
+from voicechat_jax.serving.scheduler import Lockstep, Scheduler, retarget
 from voicechat_jax.serving.sessions import (
     CapacityError,
     EndedRecords,
@@ -192,15 +193,17 @@ class Server:
         ``User:`` / ``Agent:`` turns and the directive; None: the agent's raw ids only.
       asr_decode: the RNNT head's ids -> text, so the caller's turns can enter the capsule
         (re-tokenized by ``llm_tokenizer``); None: the caller's turns are left out.
+      scheduler: the batching policy (``scheduler.Scheduler``): admission, which slots run, which
+        compiled bucket; default ``Lockstep`` (every slot, every beat). Used by the beat thread.
 
     Threads, and what each one owns (every other field is set in ``__init__`` and then only read):
 
     - the *beat thread* runs ``prepare`` and the clock's waits, one beat at a time: the caller of
       ``run`` in the dispatch loop; the device loop's callback thread in the resident loop (with the
       first beat on the caller's thread before the loop starts). It owns ``failures``, ``ended``,
-      ``failed_sessions``, ``_scripted``, ``_owner``, ``_silent``, ``_last``, ``_snapshot`` and,
-      in the resident loop, ``_inflight`` (``_next_beat`` and ``_deliver`` run one at a time, in
-      order: the device waits for each).
+      ``failed_sessions``, ``_scripted``, ``_owner``, ``_silent``, ``_last``, ``_snapshot``,
+      ``scheduler``, ``_waiting`` and, in the resident loop, ``_inflight`` (``_next_beat`` and
+      ``_deliver`` run one at a time, in order: the device waits for each).
     - the *reader thread* (dispatch loop) owns nothing: it forwards messages in order.
     - the *writer thread* owns ``logs``, ``outputs``, ``_sinks``, ``_capped``, ``_pcm`` and the
       consuming end of the GC monitor.
@@ -238,6 +241,7 @@ class Server:
         memory: MemoryConfig | None = None,
         llm_tokenizer: TextTokenizer | None = None,
         asr_decode: Callable[[Sequence[int]], str] | None = None,
+        scheduler: Scheduler | None = None,
     ):
         if loop not in LOOPS:
             raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
@@ -285,6 +289,10 @@ class Server:
         self.llm_tokenizer = llm_tokenizer
         self.asr_decode = asr_decode
         self.rollovers = 0  # roll-overs the host asked for (beat thread)
+        self.scheduler = scheduler or Lockstep()
+        if self.scheduler.buckets and self.scheduler.buckets != getattr(engine, "buckets", ()):
+            raise ValueError(f"scheduler buckets {self.scheduler.buckets} need a BucketEngine")
+        self._waiting: list[tuple[SessionSource, list[Join]]] = []  # joins the scheduler holds
         self._stop = stop_event or threading.Event()
         self._error: BaseException | None = None
         # Beat thread.
@@ -410,14 +418,20 @@ class Server:
             self.queues.close(sid)
             release[session.slot] = True
             self._end(sid, why, detail, k)
-        # Sessions joining.
-        for source in self._sources:
-            for join in source.joins(k):
+        # Sessions joining; those the scheduler makes wait are asked again next beat, first.
+        waiting, self._waiting = self._waiting, []
+        for source, joins in [*waiting, *((s, s.joins(k)) for s in self._sources)]:
+            for join in joins:
                 try:
-                    slot = self.slots.admit(join.id, tick=k, source=join.source)
+                    if join.id in leaving:  # it left while it waited
+                        raise CapacityError(f"session {join.id} left while waiting for a slot")
+                    slot = self.scheduler.admit(self.slots, join.id, tick=k, source=join.source)
                 except CapacityError as e:
                     self.failures[join.id] = str(e)
                     source.refused(join, e, k)
+                    continue
+                if slot is None:
+                    self._waiting.append((source, [join]))
                     continue
                 self.queues.open(self.slots.session(join.id))
                 admit[slot] = True
@@ -434,15 +448,20 @@ class Server:
         # Sources fed in step with the beat push its audio (scripted: a late beat comes next).
         for source in self._sources:
             source.feed(k, self.queues)
+        schedule = self.scheduler.plan(k, self.slots, self.queues)  # moves sessions, if any
+        if hasattr(self.engine, "place"):  # a BucketEngine: the state into the beat's bucket
+            self.engine.place(schedule)
+            retarget(schedule.moves, admit, release, keys)
         live = self.slots.slot_sessions()
         silent = {sid: self.queues.backlog(sid) == 0 for sid in live if sid is not None}
-        audio, underrun = self.queues.take_beat(live)
+        audio, underrun = self.queues.take_beat(schedule.running(live))  # held: input kept
         for sid, nothing in silent.items():
             self._silent[sid] = self._silent.get(sid, 0) + 1 if nothing else 0
             if self.vanish_beats is not None and self._silent[sid] >= self.vanish_beats:
                 # Fail it now; the next beat's membership step releases it.
                 self.queues.fail(sid, f"client vanished: no audio for {self._silent[sid]} beats")
         beat = self.engine.empty_beat().replace(audio=audio, admit=admit, release=release, key=keys)
+        beat.run[:] = schedule.run
         rollovers = self._roll_over(k, live, beat)
         memories = [None if sid is None else self._memories.get(sid) for sid in live]
         self._snapshot = _Snapshot(
@@ -454,14 +473,14 @@ class Server:
         """Sets ``beat``'s roll-overs (reseed, capsule) by the policy; counts each live
         session's LLM context frames through this beat. Returns slot -> the roll-over's fields.
 
-        The count is the device's own: every live slot runs every beat it is in (the server
-        holds none), ``fpt`` frames, and a re-seeded one starts again from its capsule.
+        The count is the device's own: every live slot runs ``fpt`` frames each beat it is not
+        held in (a held one is not rolled over), and a re-seeded one starts again from its capsule.
         """
         fpt = self.engine.serve.frames_per_tick
         policy = self.rollover
         rolled: dict[int, dict] = {}
         for b, sid in enumerate(live):
-            if sid is None:
+            if sid is None or not beat.run[b]:
                 continue
             context = self._context.get(sid, 0)
             memory = self._memories.get(sid)
@@ -518,7 +537,12 @@ class Server:
         self.queues.discard_beats(k - last - 1)
 
     def _end_live_sessions(self, tick: int) -> None:
-        """On a stop request: every live session ends with a ``shutdown`` event (beat thread)."""
+        """On a stop request: every live session ends with a ``shutdown`` event (beat thread).
+        At any end, sessions still waiting for a slot are refused."""
+        for source, joins in self._waiting:
+            for join in joins:
+                source.refused(join, CapacityError(f"server stopped: {join.id} refused"), tick)
+        self._waiting.clear()
         if not self._stop.is_set():
             return
         for session in self.slots.sessions():

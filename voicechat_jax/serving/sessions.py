@@ -124,26 +124,28 @@ class SlotTable:
         self.refused = 0
         self._events: list[dict] = []
 
-    def admit(self, session_id: SessionId, *, tick: int = 0, source: str = "") -> int:
-        """Puts a new session in the lowest free slot and returns the slot.
+    def admit(
+        self, session_id: SessionId, *, tick: int = 0, source: str = "", slot: int | None = None
+    ) -> int:
+        """Puts a new session in ``slot`` (default: the lowest free slot) and returns the slot.
 
-        Raises ``CapacityError`` when every slot is taken and ``ValueError`` for an id already live.
+        Raises ``CapacityError`` when every slot is taken and ``ValueError`` for an id already live
+        or a ``slot`` that is out of range or taken (a scheduler's bug, not a refusal).
         """
         with self._lock:
             if session_id in self._by_id:
                 raise ValueError(f"session {session_id!r} is already admitted")
             free = next((b for b, s in enumerate(self._slots) if s is None), None)
             if free is None:
-                self.refused += 1
                 message = (
                     f"server full: {self.n_slots} of {self.n_slots} slots in use; "
                     f"session {session_id} refused"
                 )
-                self._events.append(
-                    {"event": "refused", "session": session_id, "tick": tick, "message": message}
-                )
-                logging.warning(message)
-                raise CapacityError(message)
+                raise self._refuse(session_id, tick, message)
+            if slot is not None:
+                if not 0 <= slot < self.n_slots or self._slots[slot] is not None:
+                    raise ValueError(f"slot {slot} is not a free slot of {self.n_slots}")
+                free = slot
             session = Session(id=session_id, slot=free, admitted_tick=tick, source=source)
             self._slots[free] = session
             self._by_id[session_id] = session
@@ -152,6 +154,34 @@ class SlotTable:
                 {"event": "admitted", "session": session_id, "slot": free, "tick": tick}
             )
             return free
+
+    def refuse(self, session_id: SessionId, *, tick: int, message: str) -> CapacityError:
+        """Counts and records a refusal decided elsewhere (an admission policy's threshold or
+        queue timeout); returns the ``CapacityError`` to raise."""
+        with self._lock:
+            return self._refuse(session_id, tick, message)
+
+    def _refuse(self, session_id: SessionId, tick: int, message: str) -> CapacityError:
+        self.refused += 1
+        self._events.append(
+            {"event": "refused", "session": session_id, "tick": tick, "message": message}
+        )
+        logging.warning(message)
+        return CapacityError(message)
+
+    def move(self, session_id: SessionId, slot: int) -> int:
+        """Moves a live session to the free ``slot`` (a scheduler compacting the slots); returns
+        the slot it left. The device state must be moved with it (``buckets.BucketEngine``)."""
+        with self._lock:
+            session = self._by_id.get(session_id)
+            if session is None:
+                raise KeyError(f"session {session_id!r} is not admitted")
+            if not 0 <= slot < self.n_slots or self._slots[slot] is not None:
+                raise ValueError(f"slot {slot} is not a free slot of {self.n_slots}")
+            old = session.slot
+            self._slots[old], self._slots[slot] = None, session
+            session.slot = slot
+            return old
 
     def release(self, session_id: SessionId, *, tick: int | None = None) -> Session:
         """Frees the session's slot (only that one) and returns its record."""

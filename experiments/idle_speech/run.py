@@ -1,0 +1,291 @@
+"""Idle speech-decoder work (frames where the agent is silent) in a fixed-shape batch: masked
+against compacted.
+
+Engine part (``--parts=engine``; tiny on the CPU for smoke rows, ``--model=voicechat_11b`` on the
+H200): the speech decoder's frame step (``ear_tts.tts_step``: backbone, MoG rounds, RVQ) and the
+codec's beat step (``codec.decode_step``) timed, jitted with their state donated, at B slots of
+which k speak:
+
+- ``full``: every row runs (the tick today);
+- ``masked``: the step's run mask set to the k speakers (the same fixed shape);
+- ``compacted``: the k speakers' rows gathered into a bucket of b >= k rows, stepped, scattered
+  back (the state copied out and in);
+- ``small``: a b-row state stepped alone (what an indexed kernel that reads the speakers' rows
+  where they lie, with no copy, could cost: the lower bound of compaction).
+
+Simulated part (``--parts=sim``; host only): the H200 tick with the speech decoder's components
+(``experiments/beat_profile`` rows at B = 16, 32) at b rows instead of B, with and without the
+copy (bytes at the measured copy bandwidth); capacity at zero misses with the simulator fitted to
+the H200 rows, for speaking fractions. Skipping a silent frame changes what the model computes
+(its speech-decoder context skips those frames): this measures cost, not quality.
+See README.md beside this file.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE.parent / "policy_sim"))
+import engine_runs as er  # noqa: E402
+import sim  # noqa: E402
+
+from voicechat_jax.engine import build_template  # noqa: E402
+from voicechat_jax.model import codec, ear_tts  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "tiny", "Preset: tiny | voicechat_11b.")
+flags.DEFINE_list("parts", ["engine", "sim"], "engine (real runs) and/or sim (H200 simulator).")
+flags.DEFINE_list("slots", ["4", "8"], "Slot counts B.")
+flags.DEFINE_list("speaking", ["0.25", "0.5", "0.75"], "Share of the slots whose agent speaks.")
+flags.DEFINE_integer("calls", 10, "Timed calls per point (median).")
+flags.DEFINE_integer("context_frames", 64, "Context cap in frames (1500 on the H200).")
+flags.DEFINE_string("out", str(_HERE / "results/cpu_tiny.jsonl"), "Engine rows (appended).")
+flags.DEFINE_string("sim_out", str(_HERE / "results/sim_h200.jsonl"), "Simulated rows (rewritten).")
+flags.DEFINE_string("profile_rows", str(er.H200_PROFILE), "H200 rows the simulator is fitted to.")
+flags.DEFINE_list("sim_speaking", ["0.3", "0.5", "0.7", "1.0"], "Simulated speaking shares.")
+flags.DEFINE_integer("seeds", 5, "Simulator seeds per capacity probe.")
+flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.")
+flags.DEFINE_string("plot", str(_HERE / "idle_speech.png"), "PNG ('' for none).")
+er.define_engine_flags()
+
+# The speech decoder's components in the beat_profile rows: per frame, and the codec per beat.
+SPEECH_FRAME = ("TTS backbone", "TTS text side", "MoG round", "RVQ encoding")
+SPEECH_BEAT = ("codec decode",)
+
+
+def bucket(k: int, B: int) -> int:
+    """The smallest power of two >= k, at most B."""
+    return min(B, 1 << max(0, math.ceil(math.log2(max(k, 1)))))
+
+
+def _slots(tree, n: int):
+    """``n`` copies of a batch-1 state (the template's speech decoder or codec part)."""
+    return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n, *x.shape[1:])).copy(), tree)
+
+
+def _gather(tree, idx):
+    return jax.tree_util.tree_map(lambda x: jnp.take(x, idx, axis=0, mode="clip"), tree)
+
+
+def _scatter(tree, idx, sub):
+    """``sub``'s rows written at ``idx`` (rows whose index is out of range are dropped)."""
+    return jax.tree_util.tree_map(lambda x, s: x.at[idx].set(s, mode="drop"), tree, sub)
+
+
+def engine_part(rows: list[dict]) -> None:
+    base = er.provenance(FLAGS.model)
+    cfg, params = er.build(FLAGS.model)
+    serve = er.serve_config(slots=1, context_frames=FLAGS.context_frames)
+    template = build_template(params, cfg, serve)
+    Q = cfg.tts.n_quantizers
+    step = functools.partial(ear_tts.tts_step, cfg=cfg, deterministic=False)
+    beat_codes = functools.partial(codec.decode_step, cfg=cfg.codec)
+
+    def tts_full(p, s, text, keys):
+        return step(p.tts, s, text, keys)[:2]
+
+    def tts_masked(p, s, text, keys, run):
+        return step(p.tts, s, text, keys, run)[:2]
+
+    def tts_compacted(p, s, text, keys, idx):
+        sub, codes = step(p.tts, _gather(s, idx), text[idx % text.shape[0]],
+                          keys[idx % keys.shape[0]])[:2]  # fmt: skip
+        return _scatter(s, idx, sub), codes
+
+    def codec_full(p, s, codes):
+        return beat_codes(p.codec, s, codes)
+
+    def codec_compacted(p, s, codes, idx):
+        sub, wav = beat_codes(p.codec, _gather(s, idx), codes[idx % codes.shape[0]])
+        return _scatter(s, idx, sub), wav
+
+    jit = functools.partial(jax.jit, donate_argnums=(1,))
+    fns = {n: jit(f) for n, f in (("tts_full", tts_full), ("tts_masked", tts_masked),
+                                  ("tts_compacted", tts_compacted), ("codec_full", codec_full),
+                                  ("codec_compacted", codec_compacted))}  # fmt: skip
+    rng = np.random.default_rng(0)
+
+    def timed(name, state, *args):
+        box = [state]
+
+        def call():
+            box[0], out = fns[name](params, box[0], *args)
+            return out
+
+        return er.time_call(call, calls=FLAGS.calls)
+
+    for B in (int(x) for x in FLAGS.slots):
+        full = template.replace(tts=_slots(template.tts, B), codec=_slots(template.codec, B))
+        text = jnp.asarray(rng.integers(0, cfg.llm.vocab_size, B), jnp.int32)
+        keys = jnp.asarray(rng.integers(0, 2**31, (B, 2)), jnp.uint32)
+        codes = jnp.asarray(rng.integers(0, cfg.tts.codebook_size, (B, 2, Q)), jnp.int32)
+        copy = functools.partial(jax.tree_util.tree_map, lambda x: x.copy())
+        t_full = timed("tts_full", copy(full.tts), text, keys)
+        c_full = timed("codec_full", copy(full.codec), codes)
+        for share in (float(x) for x in FLAGS.speaking):
+            k = max(1, round(share * B))
+            b = bucket(k, B)
+            run = jnp.arange(B) < k
+            idx = jnp.where(jnp.arange(b) < k, jnp.arange(b), B).astype(jnp.int32)  # pad: dropped
+            small = template.replace(tts=_slots(template.tts, b), codec=_slots(template.codec, b))
+            row = {
+                **base, "kind": "speech", "slots": B, "speaking": k, "bucket": b,
+                "tts_full_ms": t_full,
+                "tts_masked_ms": timed("tts_masked", copy(full.tts), text, keys, run),
+                "tts_compacted_ms": timed("tts_compacted", copy(full.tts), text, keys, idx),
+                "tts_small_ms": timed("tts_full", small.tts, text[:b], keys[:b]),
+                "codec_full_ms": c_full,
+                "codec_compacted_ms": timed("codec_compacted", copy(full.codec), codes, idx),
+                "codec_small_ms": timed("codec_full", small.codec, codes[:b]),
+            }  # fmt: skip
+            rows.append(row)
+            del small
+        del full
+
+
+# ---- simulated -----------------------------------------------------------------------------
+
+
+def lines(components: list[dict], names: tuple[str, ...]) -> tuple[float, float]:
+    """Sum of the named components' ms per frame-step as a line in B (through B = 16, 32)."""
+    by = {(r["component"], r["slots"]): r for r in components}
+    a = b = 0.0
+    for (name, slots), r in by.items():
+        if slots == 16 and name.startswith(names) and (name, 32) in by:
+            slope = (by[(name, 32)]["ms"] - r["ms"]) / 16
+            a += r["ms"] - 16 * slope
+            b += slope
+    return a, b
+
+
+def sim_part() -> list[dict]:
+    prof = er.read_rows(FLAGS.profile_rows)
+    fit = sim.fit_h200(prof)
+    comps = fit.components
+    fa, fb = lines(comps, SPEECH_FRAME)
+    ca, cb = lines(comps, SPEECH_BEAT)
+    by = {(r["component"], r["slots"]): r["bytes"] for r in comps}
+    tts_name = next(c for c, s in by if c.startswith("TTS backbone"))
+    kv_bytes = (by[(tts_name, 32)] - by[(tts_name, 16)]) / 16  # a session's KV read per frame
+    copy_tbps = float(np.mean([r["tbps"] for r in prof if r["kind"] == "copy"]))
+    rows = [{"kind": "model", "speech_frame_ms": [fa, fb], "speech_beat_ms": [ca, cb],
+             "tts_kv_bytes_per_session": kv_bytes, "copy_tbps": copy_tbps}]  # fmt: skip
+    rows += [{"kind": "validation", **v} for v in sim.validate(fit)]
+
+    def speech_ms(n: float) -> float:  # per tick (2 frames): frame parts twice, codec per beat
+        return 2 * (fa + fb * n) + 2 * (ca + cb * n)
+
+    def tick(B: int, share: float, how: str) -> float:
+        full = fit.cost.tick_ms(B)
+        if how == "masked":
+            return full
+        k = max(1, math.ceil(share * B))
+        b = bucket(k, B) if how == "compacted_copy" else k
+        extra = 0.0
+        if how == "compacted_copy":  # gather and scatter: each reads and writes k sessions' KV
+            extra = 2 * 4 * k * kv_bytes / (copy_tbps * 1e12) * 1e3  # two frames per tick
+        return full - speech_ms(B) + speech_ms(b) + extra
+
+    for share in (float(x) for x in FLAGS.sim_speaking):
+        for how in ("masked", "compacted_index", "compacted_copy"):
+
+            def probe(n, how=how, share=share):
+                return [
+                    sim.simulate_lockstep(fit.cost, FLAGS.capacity_beats, n, slots=n,
+                                          tail=fit.quiet, rng=np.random.default_rng(s),
+                                          tick_cost=lambda B: tick(B, share, how)).summary()
+                    for s in range(FLAGS.seeds)
+                ]  # fmt: skip
+
+            cap = 0
+            for n in range(1, 256):
+                if any(r["missed"] for r in probe(n)):
+                    break
+                cap = n
+            at_cap = tick(cap, share, how) if cap else None
+            rows.append({"kind": "capacity", "speaking": share, "variant": how, "capacity": cap,
+                         "tick_ms_at_32": tick(32, share, how),
+                         "tick_ms_at_capacity": at_cap})  # fmt: skip
+            logging.info("speaking %.1f %s: capacity %d", share, how, cap)
+    return rows
+
+
+def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    caps = [r for r in sim_rows if r["kind"] == "capacity"]
+    for v in dict.fromkeys(r["variant"] for r in caps):
+        rs = [r for r in caps if r["variant"] == v]
+        ax[0].plot([r["speaking"] for r in rs], [r["capacity"] for r in rs], "o-", label=v)
+    ax[0].set(xlabel="share of sessions whose agent speaks", ylabel="capacity at zero misses",
+              title="H200, simulated from component rows")  # fmt: skip
+    ax[0].legend(fontsize=8)
+    sp = [r for r in engine_rows if r["kind"] == "speech"]
+    if sp:
+        labels = [f"B={r['slots']} k={r['speaking']}" for r in sp]
+        x = np.arange(len(sp))
+        for i, v in enumerate(("full", "masked", "compacted", "small")):
+            ax[1].bar(x + 0.2 * i, [r[f"tts_{v}_ms"] for r in sp], 0.2, label=f"tts {v}")
+        ax[1].set_xticks(x + 0.3, labels, rotation=30, fontsize=7)
+    model = engine_rows[0]["model"] if engine_rows else "?"
+    dev = engine_rows[0]["device"] if engine_rows else "?"
+    ax[1].set(ylabel="ms per frame step", title=f"measured: {model} on {dev}")
+    ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
+    if engine_rows:
+        r0 = engine_rows[0]
+        print(f"measured: {r0['model']} on {r0['device']}, jax {r0['jax']}, commit {r0['commit']}")
+        print(f"{'B':>3} {'k':>3} {'b':>3} {'tts full':>8} {'masked':>7} {'compact':>7} "
+              f"{'small':>6} {'codec full':>10} {'compact':>7} {'small':>6}")  # fmt: skip
+        for r in engine_rows:
+            print(f"{r['slots']:>3} {r['speaking']:>3} {r['bucket']:>3} {r['tts_full_ms']:>8.2f} "
+                  f"{r['tts_masked_ms']:>7.2f} {r['tts_compacted_ms']:>7.2f} "
+                  f"{r['tts_small_ms']:>6.2f} {r['codec_full_ms']:>10.2f} "
+                  f"{r['codec_compacted_ms']:>7.2f} {r['codec_small_ms']:>6.2f}")  # fmt: skip
+    if sim_rows:
+        print("simulated H200 capacity at zero misses")
+        for r in (r for r in sim_rows if r["kind"] == "capacity"):
+            print(f"speaking {r['speaking']:.1f} {r['variant']:>16}: {r['capacity']:>4} "
+                  f"(tick at 32: {r['tick_ms_at_32']:.1f} ms)")  # fmt: skip
+
+
+def main(argv):
+    del argv
+    engine_rows: list[dict] = []
+    sim_rows: list[dict] = []
+    if "engine" in FLAGS.parts:
+        engine_part(engine_rows)
+        er.write_rows(FLAGS.out, engine_rows)
+    if "sim" in FLAGS.parts:
+        sim_rows = sim_part()
+        if os.path.exists(FLAGS.sim_out):
+            os.remove(FLAGS.sim_out)
+        er.write_rows(FLAGS.sim_out, sim_rows)
+    if FLAGS.plot:
+        sr = sim_rows or (er.read_rows(FLAGS.sim_out) if os.path.exists(FLAGS.sim_out) else [])
+        en = engine_rows or (er.read_rows(FLAGS.out) if os.path.exists(FLAGS.out) else [])
+        plot(sr, en, FLAGS.plot)
+    print_tables(sim_rows, engine_rows)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    app.run(main)

@@ -1,0 +1,205 @@
+"""Real-engine measurements shared by the scheduling experiments (issue 15).
+
+Each experiment's ``run.py`` (absl) calls ``define_engine_flags`` (precision policy and kernels,
+as ``voicechat-serve`` names them), builds the model once with ``build`` and its serve
+configurations with ``serve_config``, then measures with:
+
+- ``tick_ms``: device time of back-to-back ticks (each blocked on) with some slots live;
+- ``serve``: a serving run of scripted sessions on the beat clock under a scheduler, one row;
+- ``time_call``: the median wall time of any jitted call, blocked on.
+
+Rows carry the model, device, jax version and the engine's git commit (``provenance``), so that a
+README can say what its rows were measured on. On the CPU with the tiny model the rows are smoke
+rows (shapes and mechanics, not capacity).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from absl import flags, logging
+
+from voicechat_jax import config as config_lib
+from voicechat_jax import precision as precision_lib
+from voicechat_jax.engine import Engine
+from voicechat_jax.model import voicechat
+from voicechat_jax.serving.scheduler import BeatPlan
+from voicechat_jax.serving.server import Server, SessionPlan
+
+_REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def provenance(model: str) -> dict:
+    """Model preset, device kind, jax version and the git commit of this checkout."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(_REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "model": model,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "commit": commit,
+        **engine_flags(),
+    }
+
+
+def define_engine_flags() -> None:
+    """``--precision``, ``--ssm_kernel``, ``--attention``, ``--tts_attention``, ``--projection``."""
+    flags.DEFINE_string("precision", "reference", "Precision policy (precision.POLICIES).")
+    flags.DEFINE_string("ssm_kernel", "xla", "LLM Mamba step update (ServeConfig.ssm_kernel).")
+    flags.DEFINE_string("attention", "xla", "LLM decode attention (ServeConfig.attention).")
+    flags.DEFINE_string("tts_attention", None, "Speech decoder's attention (default: as LLM's).")
+    flags.DEFINE_string("projection", "xla", "LLM projections (ServeConfig.projection).")
+
+
+def serve_config(**kw) -> config_lib.ServeConfig:
+    """A ``ServeConfig`` with the flags' precision policy and kernels, and ``kw``."""
+    f = flags.FLAGS
+    return config_lib.ServeConfig(
+        precision=precision_lib.policy(f.precision),
+        ssm_kernel=f.ssm_kernel,
+        attention=f.attention,
+        tts_attention=f.tts_attention,
+        projection=f.projection,
+        **kw,
+    )
+
+
+def engine_flags() -> dict:
+    """The flags' precision and kernels, for the rows."""
+    f = flags.FLAGS
+    names = ("precision", "ssm_kernel", "attention", "tts_attention", "projection")
+    return {n: getattr(f, n) for n in names}
+
+
+def build(model: str):
+    """(cfg, params) of a preset with random weights in the flags' precision policy (jitted)."""
+    cfg = config_lib.PRESETS[model]()
+    prec = precision_lib.policy(flags.FLAGS.precision)
+    t = time.perf_counter()
+    params = jax.jit(lambda k: voicechat.init(k, cfg, prec))(jax.random.key(0))
+    jax.block_until_ready(params)
+    logging.info("random %s params in %.1f s", model, time.perf_counter() - t)
+    return cfg, params
+
+
+def speech(n: int, seed: int) -> np.ndarray:
+    """``n`` samples of a speech-like test signal (a modulated tone plus noise), 16 kHz."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n) / 16000
+    x = np.sin(2 * np.pi * (180 + 40 * seed) * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 1.7 * t))
+    return (0.3 * x + 0.03 * rng.standard_normal(n)).astype(np.float32)
+
+
+def tick_ms(engine: Engine, ticks: int, *, live: int | None = None, warmup: int = 2) -> np.ndarray:
+    """Wall ms of ``ticks`` ticks run back to back, each blocked on (device time plus launch).
+
+    The first ``live`` slots (default all) are admitted on an untimed first tick and run every
+    tick; the others are free (a fixed-shape tick costs the same either way).
+    """
+    engine.reset()
+    n = engine.serve.slots if live is None else live
+    if hasattr(engine, "buckets"):  # a BucketEngine: the smallest bucket that holds them
+        bucket = next(b for b in engine.buckets if b >= n)
+        engine.place(BeatPlan(run=np.ones(engine.serve.slots, bool), bucket=bucket))
+    beat = engine.empty_beat()
+    beat.admit[:n] = True
+    jax.block_until_ready(engine.tick(beat))
+    beat = engine.empty_beat()
+    times = []
+    for _ in range(warmup + ticks):
+        t = time.perf_counter()
+        jax.block_until_ready(engine.tick(beat))
+        times.append((time.perf_counter() - t) * 1e3)
+    return np.asarray(times[warmup:])
+
+
+def time_call(fn: Callable[[], object], calls: int = 10, warmup: int = 2) -> float:
+    """Median wall ms of ``fn()`` (its result blocked on)."""
+    times = []
+    for _ in range(warmup + calls):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(times[warmup:]))
+
+
+def serve(
+    engine: Engine,
+    plans: Sequence[SessionPlan],
+    n_ticks: int,
+    *,
+    scheduler=None,
+    clock: str = "realtime",
+    warmup_ticks: int = 5,
+    **server_kw,
+) -> tuple[dict, Server]:
+    """Serves ``plans`` for ``n_ticks`` beats (dispatch loop); the metrics row and the server."""
+    engine.reset()
+    server = Server(
+        engine,
+        clock=clock,
+        warmup_ticks=warmup_ticks,
+        scheduler=scheduler,
+        keep_outputs=False,
+        **server_kw,
+    )
+    server.run(plans, n_ticks)
+    s = server.metrics.summary()
+    lat = s["latency_ms"]
+    row = {
+        "scheduler": server.scheduler.name,
+        "slots": engine.serve.slots,
+        "frames_per_tick": engine.serve.frames_per_tick,
+        "context_frames": engine.serve.context_frames,
+        "clock": clock,
+        "steady_ticks": s["ticks"],
+        "p50_ms": lat["p50"],
+        "p99_ms": lat["p99"],
+        "max_ms": lat["max"],
+        "missed_ticks": s["missed_ticks"],
+        "session_beats": s["session_beats"],
+        "missed_session_beats": s["missed_session_beats"],
+        "underruns": s["underruns"],
+        "events": s["events"],
+        "compile_s": s["compile_s"],
+    }
+    return row, server
+
+
+def plans_all_joined(n: int, n_ticks: int, samples_per_beat: int) -> list[SessionPlan]:
+    """``n`` sessions live from tick 0 to the end, each with its own audio."""
+    return [
+        SessionPlan(id=f"s{i:03d}", audio=speech(n_ticks * samples_per_beat, i)) for i in range(n)
+    ]
+
+
+def write_rows(path: str | None, rows: Sequence[dict]) -> None:
+    """Appends ``rows`` to ``path`` as JSON lines (and logs them)."""
+    for r in rows:
+        logging.info("%s", r)
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r, default=float) + "\n")
+
+
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+H200_PROFILE = _REPO / "experiments/beat_profile/results/h200_voicechat_11b.jsonl"
