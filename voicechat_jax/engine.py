@@ -247,10 +247,17 @@ def _log_compiled(name: str, compiled, plan: MemoryPlan) -> None:
     )
 
 
+_ONE_USE_COMPILE = {"xla_gpu_autotune_level": 0}  # programs run once: no kernel timing
+
+
 def build_template(params, cfg: ModelConfig, serve: ServeConfig):
     """The fresh-session state (batch 1) for a server configuration, jitted.
 
     Jitted because op by op the 11B template took ~60 s on an H200, mostly per-op compiles.
+    Compiled without XLA's GPU autotuning (``xla_gpu_autotune_level=0``): the program runs once
+    per process, so timing candidate GEMM and convolution kernels for it buys nothing (with the
+    reference policy's fp32 products its compile took 314 s on a fresh H200 with autotuning on).
+    Any algorithm XLA picks computes the same fp32 products; the tick keeps full autotuning.
     """
 
     precision = serve.precision
@@ -266,4 +273,4 @@ def build_template(params, cfg: ModelConfig, serve: ServeConfig):
                 deterministic=serve.deterministic,
             )
 
-    return jax.jit(initial)(params)
+    return jax.jit(initial, compiler_options=_ONE_USE_COMPILE)(params)

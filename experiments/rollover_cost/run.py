@@ -33,6 +33,10 @@ flags.DEFINE_integer("warmup", 5, "Beats before measuring.")
 flags.DEFINE_integer("context_frames", 1500, "Context cap in frames.")
 flags.DEFINE_integer("capsule_tokens", 96, "U: capsule room (each roll-over uses all of it).")
 flags.DEFINE_enum("precision", "reference", ["reference", "fp32"], "Dtype policy.")
+flags.DEFINE_enum(
+    "ssm_kernel", "xla", [m.value for m in config_lib.SSMKernel], "Mamba-2 decode update."
+)
+flags.DEFINE_enum("attention", "xla", ["xla", "cudnn", "pallas"], "LLM decode attention.")
 flags.DEFINE_string("out", None, "JSON-lines output file.")
 
 
@@ -40,17 +44,26 @@ def _ms(x: list[float], q: float) -> float:
     return round(1000.0 * float(np.percentile(x, q)), 3)
 
 
-def measure(params, cfg, precision, sessions: int, rolled: int) -> dict:
+def make_engine(params, cfg, precision, sessions: int) -> Engine:
     serve = config_lib.ServeConfig(
         slots=sessions,
         frames_per_tick=2,
         context_frames=FLAGS.context_frames,
         capsule_tokens=FLAGS.capsule_tokens,
         at_cap="memory",
+        ssm_kernel=FLAGS.ssm_kernel,
+        attention=FLAGS.attention,
         precision=precision,
     )
     engine = Engine(params, cfg, serve)
     engine.compile_tick()
+    return engine
+
+
+def measure(engine: Engine, rolled: int) -> dict:
+    """One row: ``rolled`` slots re-seeded every other beat of ``engine`` (all slots live)."""
+    engine.reset()
+    cfg, sessions = engine.cfg, engine.serve.slots
     rng = np.random.default_rng(0)
     rolled = min(rolled, sessions)
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -79,6 +92,8 @@ def measure(params, cfg, precision, sessions: int, rolled: int) -> dict:
         "rolled": rolled,
         "capsule_tokens": FLAGS.capsule_tokens,
         "device": str(jax.devices()[0]),
+        "ssm_kernel": FLAGS.ssm_kernel,
+        "attention": FLAGS.attention,
         "plain_p50_ms": _ms(plain, 50),
         "plain_p99_ms": _ms(plain, 99),
         "rollover_p50_ms": _ms(roll, 50),
@@ -95,8 +110,9 @@ def main(argv) -> None:
     params = voicechat.init(jax.random.key(0), cfg, precision)
     rows = []
     for s in FLAGS.sessions:
+        engine = make_engine(params, cfg, precision, int(s))  # one compile per session count
         for r in FLAGS.rolled:
-            rows.append(measure(params, cfg, precision, int(s), int(r)))
+            rows.append(measure(engine, int(r)))
             if FLAGS.out:
                 with open(FLAGS.out, "a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
