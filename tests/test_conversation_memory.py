@@ -167,6 +167,53 @@ def test_thresholds_scale_to_the_cap():
         ServeConfig(at_cap="wrap")
 
 
+def _simulate(policy: RolloverPolicy, sessions: int, beats: int, silent=lambda b, k: 0):
+    """Sessions that all start at beat 0, served by ``policy.plan``: (beat, slot, reason,
+    context at the roll-over) for every roll-over."""
+    context = [0] * sessions
+    rolled = []
+    for k in range(beats):
+        chosen = policy.plan([(b, context[b], silent(b, k)) for b in range(sessions)])
+        for b, reason in chosen:
+            rolled.append((k, b, reason, context[b]))
+            context[b] = 0
+        context = [c + policy.frames_per_tick for c in context]
+    return rolled
+
+
+def test_plan_spreads_sessions_that_started_together():
+    """56 sessions admitted in one beat and never silent: one roll-over a beat, every one of them
+    between the thresholds (the runtime's 1,125 / 1,375 frames), none at the same beat."""
+    policy = RolloverPolicy.for_cap("reset", 1500, 2, max_per_beat=1)
+    rolled = _simulate(policy, 56, 700)
+    first = [r for r in rolled if r[0] < 690]
+    assert sorted(b for _, b, _, _ in first[:56]) == list(range(56))  # each once, first round
+    beats = [k for k, *_ in rolled]
+    assert len(set(beats)) == len(beats)  # at most one a beat
+    assert all(1125 <= c <= 1375 + 1 for *_, c in rolled)
+    assert {r for _, _, r, _ in first[:56]} <= {"spread", "hard"}
+    # With room for two a beat, the same load takes half the beats, still two at most per beat.
+    two = _simulate(RolloverPolicy.for_cap("reset", 1500, 2, max_per_beat=2), 56, 700)
+    counts = np.bincount([k for k, *_ in two])
+    assert counts.max() == 2
+    assert all(1125 <= c <= 1376 for *_, c in two)
+
+
+def test_plan_takes_hard_then_pause_then_spread_within_its_budget():
+    policy = RolloverPolicy.for_cap("memory", 1500, 2, max_per_beat=2)
+    # slot 0 past hard, slot 1 at a pause, slot 2 past hard with more context, slot 3 too young
+    got = policy.plan([(0, 1380, 0), (1, 1200, 9), (2, 1390, 0), (3, 1000, 9)])
+    assert got == [(2, "hard"), (0, "hard")]
+    got = policy.plan([(1, 1200, 9), (3, 1000, 9), (4, 1130, 0)])
+    assert got == [(1, "pause")]  # slot 4 can wait: it has 123 beats to the hard threshold
+    # More sessions past the soft threshold than the beats left can take: spread them now.
+    crowd = [(b, 1370, 0) for b in range(8)]
+    assert [r for _, r in policy.plan(crowd)] == ["spread", "spread"]
+    assert RolloverPolicy.for_cap("rollover", 1500, 2).plan(crowd) == []  # the device's, at the cap
+    with pytest.raises(ValueError, match="max_per_beat"):
+        RolloverPolicy.for_cap("reset", 1500, 2, max_per_beat=0)
+
+
 # ---- serving runs -------------------------------------------------------------------------------
 
 
@@ -305,6 +352,21 @@ def test_neighbour_unchanged_by_a_rollover(engine):
     assert x["text"].shape[0] == 12 * FPT
     for name in ("text", "function", "codes", "wav", "transcript", "n_transcript"):
         np.testing.assert_array_equal(x[name], y[name])
+
+
+def test_sessions_due_together_roll_over_in_different_beats(engine):
+    """Two sessions admitted together reach the soft threshold together; the server rolls them
+    over one a beat (the default budget), each by the hard threshold."""
+    engine.reset()
+    plans = [SessionPlan(s, _speech(6.4, i + 5)) for i, s in enumerate("ab")]
+    server, rows = _serve(engine, plans, 40)
+    events = [r for r in rows if r.get("event") == "rollover"]
+    assert {e["session"] for e in events} == {"a", "b"}
+    ticks = [e["tick"] for e in events]
+    assert len(set(ticks)) == len(ticks)
+    hard = server.rollover.hard_frames
+    assert all(e["context"] <= hard + FPT - 1 for e in events)
+    assert all(len(asked) == 1 for asked in server.asked.values())
 
 
 def test_reset_rolls_over_with_an_empty_capsule():

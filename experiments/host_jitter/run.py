@@ -44,7 +44,11 @@ flags.DEFINE_integer("ticks", 2000, "Beats per row (160 ms each), warm-up includ
 flags.DEFINE_integer("warmup_ticks", 10, "Ticks reported apart as warm-up.")
 flags.DEFINE_integer("context_frames", 1500, "Context cap in frames.")
 flags.DEFINE_enum(
-    "at_cap", "rollover", ["end", "rollover"], "At the cap: rollover keeps every session live."
+    "at_cap",
+    "reset",
+    ["end", "rollover", "reset"],
+    "At the cap: rollover and reset keep every session live (reset: the host rolls them over one "
+    "a beat between the thresholds; rollover: the device, at the cap, all in the same beat).",
 )
 flags.DEFINE_list("loops", ["dispatch", "resident"], "Loops to measure.")
 flags.DEFINE_list("gc_policies", ["slack"], "GC policies: slack (the server's), default (Python).")

@@ -67,6 +67,13 @@ flags.DEFINE_enum(
     "or at the hard one, to the system prompt alone (reset) or plus a capsule of the recent turns "
     "(memory); rollover: only at the cap, to the system prompt alone (the device's fallback).",
 )
+flags.DEFINE_integer(
+    "rollovers_per_beat",
+    1,
+    "reset/memory: sessions rolled over in one beat at most (each costs the beat a prefill of the "
+    "capsule room; sessions due together are spread between the thresholds).",
+    lower_bound=1,
+)
 flags.DEFINE_list(
     "system_prompt", [], "System prompt as LLM token ids, comma-separated (prefilled once)."
 )
@@ -362,6 +369,7 @@ def options_from_flags() -> runner.RunOptions:
         scheduler=FLAGS.scheduler,
         buckets=tuple(int(x) for x in FLAGS.buckets),
         shrink_after=FLAGS.shrink_after,
+        rollovers_per_beat=FLAGS.rollovers_per_beat,
     )
 
 

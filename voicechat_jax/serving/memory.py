@@ -33,6 +33,14 @@ part of it (no JAX):
   TensorRT-Model-Connect runtime; scaled to a smaller cap (75 % and 92 % of it, and the hard one
   at least one beat below the cap). ``decide`` rolls a session over between the thresholds when
   both sides have been silent for ``pause_frames`` frames, and at the hard threshold regardless.
+  ``plan`` picks a beat's roll-overs from all its sessions: at most ``max_per_beat`` of them,
+  because each one costs the whole beat a prefill of U positions (+17 ms per roll-over at 16 and
+  at 56 sessions on an H200 with the 11B preset, ``experiments/rollover_cost``: 16 in one beat
+  took it from 67 to 347 ms). Sessions that started together would otherwise reach the hard
+  threshold together; ``plan`` spreads them, rolling one early ("spread", between the thresholds)
+  whenever those past the soft threshold could not all be rolled by the hard one at
+  ``max_per_beat`` a beat. The ``rollover`` mode has no host side: sessions that reach the cap in
+  the same beat roll over in it together.
 """
 
 from __future__ import annotations
@@ -219,12 +227,19 @@ class RolloverPolicy:
     hard_frames: int = 1375
     pause_frames: int = 4  # both sides silent this long between the thresholds: roll over now
     capsule_tokens: int = 96  # U, the device's capsule room
+    max_per_beat: int = 1  # roll-overs in one beat at most (each costs the beat a U prefill)
+    frames_per_tick: int = 2  # frames a session's context grows per beat
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"at_cap must be one of {'|'.join(MODES)}, got {self.mode!r}")
         if not 0 < self.soft_frames <= self.hard_frames:
             raise ValueError(f"need 0 < soft <= hard: {self.soft_frames}, {self.hard_frames}")
+        if self.max_per_beat < 1 or self.frames_per_tick < 1:
+            raise ValueError(
+                f"max_per_beat and frames_per_tick must be >= 1: {self.max_per_beat}, "
+                f"{self.frames_per_tick}"
+            )
 
     @classmethod
     def for_cap(
@@ -237,12 +252,13 @@ class RolloverPolicy:
         soft_frames: int = 1125,
         hard_frames: int = 1375,
         pause_frames: int = 4,
+        max_per_beat: int = 1,
     ) -> RolloverPolicy:
         """The thresholds scaled to the cap: at most 75 % / 92 % of it, hard a beat below it."""
         hard = min(hard_frames, round(0.92 * context_frames), context_frames - frames_per_tick)
         hard = max(hard, 1)
         soft = max(1, min(soft_frames, round(0.75 * context_frames), hard))
-        return cls(mode, soft, hard, pause_frames, capsule_tokens)
+        return cls(mode, soft, hard, pause_frames, capsule_tokens, max_per_beat, frames_per_tick)
 
     @property
     def host_rolls(self) -> bool:
@@ -265,3 +281,35 @@ class RolloverPolicy:
         if context >= self.soft_frames and silent_frames >= self.pause_frames:
             return "pause"
         return None
+
+    def plan(self, sessions: Sequence[tuple[int, int, int]]) -> list[tuple[int, str]]:
+        """This beat's roll-overs: at most ``max_per_beat`` ``(slot, reason)`` pairs.
+
+        Args:
+          sessions: ``(slot, context frames, silent frames)`` of every session that runs this beat.
+
+        In order: sessions past the hard threshold (most context first), then those past the soft
+        one at a pause, then, with room left, ``"spread"`` roll-overs of the most advanced of the
+        rest while the rest could not all be rolled by the hard threshold at ``max_per_beat`` a
+        beat (the one at place ``j`` of the rest, most context first, waits ``1 + j //
+        max_per_beat`` beats; it must not wait past the beat in which it turns hard).
+        """
+        if not self.host_rolls:
+            return []
+        due = sorted((s for s in sessions if s[1] >= self.soft_frames), key=lambda s: -s[1])
+        hard = [(b, "hard") for b, c, _ in due if c >= self.hard_frames]
+        pause = [(b, "pause") for b, c, q in due if c < self.hard_frames and q >= self.pause_frames]
+        chosen = (hard + pause)[: self.max_per_beat]
+        taken = {b for b, _ in chosen}
+        rest = [(b, c) for b, c, _ in due if b not in taken]
+        k, fpt = self.max_per_beat, self.frames_per_tick
+
+        def fits(waiting: list[tuple[int, int]]) -> bool:
+            # beats until each turns hard (ceil), against the beat its place lets it roll in
+            return all(
+                1 + j // k <= -(-(self.hard_frames - c) // fpt) for j, (_, c) in enumerate(waiting)
+            )
+
+        while len(chosen) < k and rest and not fits(rest):
+            chosen.append((rest.pop(0)[0], "spread"))
+        return chosen

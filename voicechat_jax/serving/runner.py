@@ -28,6 +28,7 @@ from voicechat_jax.buckets import BucketEngine
 from voicechat_jax.model import voicechat
 from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving import scheduler as scheduler_lib
+from voicechat_jax.serving.memory import RolloverPolicy
 from voicechat_jax.serving.metrics import format_table
 from voicechat_jax.serving.server import Engine, Server, SessionPlan
 
@@ -62,6 +63,7 @@ class RunOptions:
     scheduler: str = "lockstep"  # scheduler.Policy
     buckets: tuple[int, ...] = ()  # scheduler 'buckets': slot counts (default: default_buckets)
     shrink_after: int = 25  # scheduler 'buckets': beats of fitting a smaller bucket before a move
+    rollovers_per_beat: int = 1  # reset/memory: roll-overs in one beat at most
 
     @property
     def n_ticks(self) -> int:
@@ -211,6 +213,13 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
                 tokenizer=tokenizer,
                 stop_event=stop,
                 scheduler=scheduler,
+                rollover=RolloverPolicy.for_cap(
+                    serve.at_cap,
+                    serve.context_frames,
+                    serve.frames_per_tick,
+                    capsule_tokens=serve.capsule_tokens,
+                    max_per_beat=options.rollovers_per_beat,
+                ),
             )
             for sid, message in failures.items():
                 server.metrics.record_event("failed", session=sid, tick=None, message=message)

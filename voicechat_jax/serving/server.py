@@ -478,31 +478,35 @@ class Server:
         """
         fpt = self.engine.serve.frames_per_tick
         policy = self.rollover
-        rolled: dict[int, dict] = {}
+        running = []  # (slot, context, silent frames) of the sessions that run this beat
         for b, sid in enumerate(live):
             if sid is None or not beat.run[b]:
                 continue
-            context = self._context.get(sid, 0)
             memory = self._memories.get(sid)
             silent = 0 if memory is None else memory.silent_frames()
-            reason = policy.decide(context, silent)
-            if reason is not None:
-                capsule = np.zeros((0,), np.int32)
-                if policy.capsule_limit and memory is not None:
-                    capsule = build_capsule(
-                        memory.turns(),
-                        policy.capsule_limit,
-                        llm_tokenizer=self.llm_tokenizer,
-                        asr_decode=self.asr_decode,
-                    )
-                n = capsule.shape[0]
-                beat.reseed[b] = True
-                beat.capsule[b, :n] = capsule
-                beat.capsule_len[b] = n
-                rolled[b] = {"reason": reason, "context": context, "capsule_len": n}
-                self.rollovers += 1
-                context = n
-            self._context[sid] = context + fpt
+            running.append((b, self._context.get(sid, 0), silent))
+        rolled: dict[int, dict] = {}
+        for b, reason in policy.plan(running):
+            sid = live[b]
+            memory = self._memories.get(sid)
+            capsule = np.zeros((0,), np.int32)
+            if policy.capsule_limit and memory is not None:
+                capsule = build_capsule(
+                    memory.turns(),
+                    policy.capsule_limit,
+                    llm_tokenizer=self.llm_tokenizer,
+                    asr_decode=self.asr_decode,
+                )
+            n = capsule.shape[0]
+            beat.reseed[b] = True
+            beat.capsule[b, :n] = capsule
+            beat.capsule_len[b] = n
+            rolled[b] = {"reason": reason, "context": self._context.get(sid, 0), "capsule_len": n}
+            self.rollovers += 1
+            self._context[sid] = n
+        for b, _, _ in running:
+            sid = live[b]
+            self._context[sid] = self._context.get(sid, 0) + fpt
         return rolled
 
     def _wait_for(self, k: int, last: int | None) -> TickTiming:
