@@ -208,6 +208,10 @@ def mha_decode_attention_reference(
     return decode_attention_reference(q, k, v, lengths, window=window, scale=scale)
 
 
+# The cache is read once per call: a hint to evict its lines first.
+_stream = functools.partial(pltriton.load, other=0.0, eviction_policy="evict_first")
+
+
 def _kernel(
     lo_ref,
     hi_ref,
@@ -262,8 +266,8 @@ def _kernel(
             mask = seen[:, :, None] if ok is None else seen[:, :, None] & ok[None, None, :]
             mask = jnp.broadcast_to(mask, (P, R, width))
             tile = (slice(None), rows, pl.ds(off, width))
-            ks.append(pltriton.load(k_ref.at[tile], mask=mask, other=0.0, eviction_policy="evict_first"))
-            vs.append(pltriton.load(v_ref.at[tile], mask=mask, other=0.0, eviction_policy="evict_first"))
+            ks.append(_stream(k_ref.at[tile], mask=mask))
+            vs.append(_stream(v_ref.at[tile], mask=mask))
         # Products summed over the pieces element-wise, then one reduction over the lanes.
         prod = sum(qp[:, None, :] * kp.astype(F32) for qp, kp in zip(qs, ks, strict=True))
         s = jnp.sum(prod, axis=-1)  # [P, R], base-2 logits
