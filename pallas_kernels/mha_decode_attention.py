@@ -204,7 +204,7 @@ def mha_decode_attention_reference(
     (``pallas_kernels.decode_attention``) at G = 1, with the same rows and the same zero for a
     row that sees nothing."""
     if q.ndim != 4 or q.shape[2] != 1:
-        raise ValueError(f"q must be [B, K, 1, H]: {q.shape}")
+        raise ValueError(f"q must be [B, K, 1, H] (G = 1): {q.shape}")
     return decode_attention_reference(q, k, v, lengths, window=window, scale=scale)
 
 
