@@ -14,13 +14,15 @@ out for that:
   ``B * K`` independent heads, [BK, H] and [BK, S, H]; a program takes ``heads`` consecutive ones
   (P <= K: heads of one row; P = 2K: a slot's cond and uncond rows, which share a length) and one
   split of the sequence.
-- **H is not padded.** The head dim is cut into equal power-of-two pieces (72 = 9 x 8 lanes;
-  12 = 3 x 4), each loaded as its own [P, R, piece] tile at its static lane offset: every lane
-  loaded is a lane of the cache, and the pieces of one row together read its H contiguous
-  values. Equal pieces share one Triton layout, so their products, scores and accumulators
-  combine element-wise (pieces of unequal widths, 64 + 8, get two layouts and a shared-memory
-  conversion of a whole tile on every step). ``pad_head=True`` pads H to one power-of-two tile
-  with masked lanes instead, for comparison.
+- **H is not padded to 128.** The head dim is cut into equal power-of-two pieces, each loaded
+  as its own [P, R, piece] tile at its static lane offset; by default the widest piece that
+  divides H (72 = 9 x 8 lanes, 12 = 3 x 4), so every lane loaded is a lane of the cache and the
+  pieces of a row together read its H contiguous values. Equal pieces share one Triton layout,
+  so their products, scores and accumulators combine element-wise (pieces of unequal widths,
+  64 + 8, get two layouts and a shared-memory conversion of a whole tile on every step). The
+  trade: a narrow piece is a short run of bytes per row (8 lanes: 32 bytes fp32, 16 bf16), so
+  one warp's load touches many cache lines. ``piece`` sets a wider piece, the last one masked
+  past H (16: 5 pieces, 80 lanes; 128: one piece, H padded as the grouped-query kernel pads it).
 - **One softmax per tile row: nothing crosses warps inside the loop.** Each of the R rows of the
   tile keeps its own running max m, sum l and [H] accumulator over the cache rows it visits
   (rows ``r``, ``r + R``, ...), so a step of the loop is the loads, the score reduction over H
@@ -86,6 +88,10 @@ _HAS_COST_ESTIMATE = hasattr(pl, "CostEstimate") and (
 )
 
 
+_DEFAULT_MIN_PROGRAMS = 4096
+_DEFAULT_STAGES = 2
+
+
 def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
@@ -109,17 +115,17 @@ class MHABlocks:
         small part of the whole.
       num_warps: Triton warps per program (a power of two).
       num_stages: Triton software-pipelining stages of the row loop.
-      pad_head: pad H to one power-of-two tile with masked lanes (the grouped-query kernel's
-        layout) instead of cutting it into equal power-of-two pieces.
+      piece: lanes per head-dim piece (a power of two), H covered by ``cdiv(H, piece)`` pieces
+        and lanes past H masked; None: the widest power of two dividing H (no masked lane).
     """
 
     block_s: int = 64
     heads: int = 1
     split_s: int | None = None
-    min_programs: int = 4096
+    min_programs: int = _DEFAULT_MIN_PROGRAMS
     num_warps: int = 4
-    num_stages: int = 2
-    pad_head: bool = False
+    num_stages: int = _DEFAULT_STAGES
+    piece: int | None = None
 
     def __post_init__(self):
         if not _pow2(self.block_s):
@@ -136,30 +142,69 @@ class MHABlocks:
             raise ValueError(f"num_warps must be a power of two: {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1: {self.num_stages}")
+        if self.piece is not None and not _pow2(self.piece):
+            raise ValueError(f"piece must be a power of two: {self.piece}")
 
     def label(self) -> str:
-        """A short name for tables: block_s:heads:split_s:num_warps[:pad]."""
-        parts = [self.block_s, self.heads, self.split_s or "auto", self.num_warps]
-        return ":".join(str(p) for p in parts) + (":pad" if self.pad_head else "")
+        """A short name, ``block_s:heads:split:num_warps[:sN][:wN]`` (what ``parse`` reads).
+
+        ``split`` is ``auto`` (split_s None, the default min_programs), ``one`` (split_s None,
+        min_programs 1: never split), ``autoN`` (min_programs N) or split_s; ``sN`` is
+        num_stages when not the default 2, ``wN`` a set ``piece``.
+        """
+        if self.split_s is not None:
+            split = str(self.split_s)
+        elif self.min_programs == _DEFAULT_MIN_PROGRAMS:
+            split = "auto"
+        else:
+            split = "one" if self.min_programs == 1 else f"auto{self.min_programs}"
+        parts = [str(self.block_s), str(self.heads), split, str(self.num_warps)]
+        if self.num_stages != _DEFAULT_STAGES:
+            parts.append(f"s{self.num_stages}")
+        if self.piece is not None:
+            parts.append(f"w{self.piece}")
+        return ":".join(parts)
+
+    @classmethod
+    def parse(cls, spec: str) -> MHABlocks:
+        """The tiling a ``label`` names (experiment flags)."""
+        parts = spec.split(":")
+        if len(parts) < 4:
+            raise ValueError(f"want block_s:heads:split:num_warps[:sN][:wN]: {spec!r}")
+        block_s, heads, split, num_warps, *extra = parts
+        kw: dict = {"block_s": int(block_s), "heads": int(heads), "num_warps": int(num_warps)}
+        if split == "one":
+            kw["min_programs"] = 1
+        elif split.startswith("auto"):
+            kw["min_programs"] = int(split[4:] or _DEFAULT_MIN_PROGRAMS)
+        else:
+            kw["split_s"] = int(split)
+        for token in extra:
+            if token[:1] in ("s", "w") and token[1:].isdigit():
+                kw["num_stages" if token[0] == "s" else "piece"] = int(token[1:])
+            else:
+                raise ValueError(f"unknown tiling option {token!r} in {spec!r}")
+        return cls(**kw)
 
 
 _MAX_PIECES = 16
 
 
-def head_pieces(H: int, pad: bool = False) -> tuple[tuple[int, int], ...]:
-    """(lane offset, width) of the equal power-of-two pieces that tile H lanes exactly.
+def head_pieces(H: int, piece: int | None = None) -> tuple[tuple[int, int], ...]:
+    """(lane offset, width) of the equal power-of-two pieces that cover H lanes.
 
-    The width is the largest power of two dividing H: ``head_pieces(72)`` is nine pieces of 8
-    lanes, ``head_pieces(12)`` three of 4, ``head_pieces(128)`` one of 128. Equal pieces get one
-    Triton layout, so scores and accumulators of all pieces combine element-wise (pieces of
-    different widths, 64 + 8, get different layouts and a shared-memory layout conversion of a
-    whole tile on every step). With ``pad`` (or when H needs more than 16 pieces): one piece of
-    ``next_pow2(H)`` lanes, those past H masked.
+    ``piece=None``: the widest power of two dividing H, so the pieces tile H exactly:
+    ``head_pieces(72)`` is nine pieces of 8 lanes, ``head_pieces(12)`` three of 4,
+    ``head_pieces(128)`` one of 128; where that would take more than 16 pieces, one piece of
+    ``next_pow2(H)``. A set ``piece`` (capped at ``next_pow2(H)``) covers ``cdiv(H, piece)``
+    pieces, the lanes past H masked: ``head_pieces(72, 16)`` is five pieces of 16 (80 lanes).
     """
-    width = H & -H
-    if pad or H // width > _MAX_PIECES:
-        return ((0, pl.next_power_of_2(H)),)
-    return tuple((off, width) for off in range(0, H, width))
+    if piece is None:
+        piece = H & -H
+        if H // piece > _MAX_PIECES:
+            piece = pl.next_power_of_2(H)
+    piece = min(piece, pl.next_power_of_2(H))
+    return tuple((off, piece) for off in range(0, H, piece))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,10 +253,6 @@ def mha_decode_attention_reference(
     return decode_attention_reference(q, k, v, lengths, window=window, scale=scale)
 
 
-# The cache is read once per call: a hint to evict its lines first.
-_stream = functools.partial(pltriton.load, other=0.0, eviction_policy="evict_first")
-
-
 def _kernel(
     lo_ref,
     hi_ref,
@@ -229,11 +270,13 @@ def _kernel(
     """Program (p, j): heads [p * P, (p + 1) * P) over rows [j * split_s, (j + 1) * split_s).
 
     Refs: lo, hi [P] int32 (each head's attended rows), q [P, H], k and v [P, split_s, H] (this
-    split's rows; lanes past H exist only in the ``pad_head`` layout, masked). Outputs: with one
+    split's rows; lanes past H only where the last piece runs past H, masked). Outputs: with one
     split, o [P, H] in q's dtype, normalised; else o [P, H], m and l [P], fp32 partials (m in
     base-2 units, as the kernel's softmax).
     """
     P = q_ref.shape[0]
+    # The cache is read once per call: a hint to evict its lines first.
+    stream = functools.partial(pltriton.load, other=0.0, eviction_policy="evict_first")
     j = pl.program_id(1)
     start = j * split_s
     lo = pltriton.load(lo_ref)  # [P]
@@ -266,8 +309,8 @@ def _kernel(
             mask = seen[:, :, None] if ok is None else seen[:, :, None] & ok[None, None, :]
             mask = jnp.broadcast_to(mask, (P, R, width))
             tile = (slice(None), rows, pl.ds(off, width))
-            ks.append(_stream(k_ref.at[tile], mask=mask))
-            vs.append(_stream(v_ref.at[tile], mask=mask))
+            ks.append(stream(k_ref.at[tile], mask=mask))
+            vs.append(stream(v_ref.at[tile], mask=mask))
         # Products summed over the pieces element-wise, then one reduction over the lanes.
         prod = sum(qp[:, None, :] * kp.astype(F32) for qp, kp in zip(qs, ks, strict=True))
         s = jnp.sum(prod, axis=-1)  # [P, R], base-2 logits
@@ -364,8 +407,8 @@ def mha_decode_attention(
     BK = Bsz * K
     pl_ = plan(BK, S, blocks)
     P, n = pl_.P, pl_.n_splits
-    pieces = head_pieces(H, blocks.pad_head)
-    Hb = pieces[-1][0] + pieces[-1][1]  # block lanes: H, or H padded (pad_head)
+    pieces = head_pieces(H, blocks.piece)
+    Hb = pieces[-1][0] + pieces[-1][1]  # block lanes: H, or H rounded up to whole pieces
 
     lengths = lengths.astype(jnp.int32)
     hi = jnp.clip(lengths, 0, S)

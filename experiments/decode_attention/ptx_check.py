@@ -41,11 +41,21 @@ flags.DEFINE_integer("slots", 56, "Sessions (2 CFG rows each).")
 flags.DEFINE_list("kv", ["float32", "bfloat16"], "Speech-decoder cache dtypes.")
 flags.DEFINE_list(
     "mha_blocks",
-    ["64:1:4", "32:1:4", "32:2:4", "128:1:8", "2:32:4", "64:1:4:pad"],
-    "G = 1 kernel tilings block_s:heads:num_warps[:pad].",
+    [
+        "64:1:auto:4",
+        "32:1:auto:4",
+        "32:2:auto:4",
+        "128:1:auto:8",
+        "2:32:auto:4",
+        "64:1:one:4",
+        "64:1:auto:4:w16",
+        "32:1:auto:4:w16",
+        "64:1:auto:4:w128",
+        "32:1:auto:4:w128",
+    ],
+    "G = 1 kernel tilings (MHABlocks.label()'s block_s:heads:split:num_warps[:sN][:wN]).",
 )
 flags.DEFINE_bool("gqa", True, "Also compile the grouped-query kernel at G = 1 (default tiling).")
-flags.DEFINE_integer("num_stages", 2, "Triton pipelining stages.")
 flags.DEFINE_string("out", None, "JSON-lines file the rows are appended to.")
 
 _CAPTURED: list[str] = []
@@ -138,17 +148,6 @@ def compile_sm90(ttir: str, num_warps: int, num_stages: int, workdir: str) -> di
     }
 
 
-def _mha_blocks(spec: str) -> MHABlocks:
-    parts = spec.split(":")
-    return MHABlocks(
-        block_s=int(parts[0]),
-        heads=int(parts[1]),
-        num_warps=int(parts[2]),
-        num_stages=FLAGS.num_stages,
-        pad_head=parts[3:] == ["pad"],
-    )
-
-
 def main(argv):
     del argv
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -170,14 +169,15 @@ def main(argv):
                 plans.append(("gqa", "default"))
             for kernel, spec in plans:
                 if kernel == "mha":
-                    blocks = _mha_blocks(spec)
-                    warps, label = blocks.num_warps, blocks.label()
+                    blocks = MHABlocks.parse(spec)
+                    warps, stages, label = blocks.num_warps, blocks.num_stages, blocks.label()
 
                     def fn(q, k, v, n, blocks=blocks):
                         return mha_decode_attention(q, k, v, n, scale=scale, blocks=blocks)
                 else:
                     gqa = DecodeAttentionBlocks()
-                    warps, label = gqa.num_warps, f"{gqa.block_s}:{gqa.split_s}:{gqa.num_warps}"
+                    warps, stages = gqa.num_warps, gqa.num_stages
+                    label = f"{gqa.block_s}:{gqa.split_s}:{gqa.num_warps}"
 
                     def fn(q, k, v, n):
                         return decode_attention(q, k, v, n, scale=scale)
@@ -185,7 +185,7 @@ def main(argv):
                 row = {"kernel": kernel, "blocks": label, "kv_dtype": kv, "B": Bsz, "S": S}
                 try:
                     ttir = triton_module(fn, *args)
-                    row.update(compile_sm90(ttir, warps, FLAGS.num_stages, workdir))
+                    row.update(compile_sm90(ttir, warps, stages, workdir))
                 except Exception as e:  # recorded, and the sweep goes on
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 logging.info("%s", row)

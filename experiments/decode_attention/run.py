@@ -68,12 +68,17 @@ flags.DEFINE_list(
         "128:1:auto:8",
         "2:32:auto:4",
         "64:1:one:4",
-        "64:1:auto:4:3",
-        "64:1:auto:4:pad",
+        "64:1:auto:4:s3",
+        "64:1:auto:4:w16",
+        "32:1:auto:4:w16",
+        "64:1:auto:4:w128",
+        "32:1:auto:4:w128",
     ],
-    "G = 1 kernel ('pallas_mha') tilings block_s:heads:split:num_warps[:num_stages][:pad], split "
-    "'auto' (S split when there are fewer than 4096 head groups), 'one' (never split) or rows; "
-    "the first runs every configuration, the others only at fill 'full' (a sweep).",
+    "G = 1 kernel ('pallas_mha') tilings, MHABlocks.label()'s "
+    "block_s:heads:split:num_warps[:sN][:wN]: split 'auto' (S split when there are fewer than "
+    "4096 head groups), 'one' (never split) or rows; sN num_stages; wN lanes per head-dim piece "
+    "(default: 8 at H 72; w128 pads H to 128 lanes). The first runs every configuration, the "
+    "others only at fill 'full' (a sweep).",
 )
 flags.DEFINE_integer("layers", 8, "Distinct layer caches attended per timed call.")
 flags.DEFINE_integer("repeats", 20, "Timed calls per row (median), after 2 warm-up calls.")
@@ -185,24 +190,6 @@ def _blocks(spec: str) -> DecodeAttentionBlocks:
     return DecodeAttentionBlocks(block_s=block_s, split_s=split_s, num_warps=num_warps)
 
 
-def mha_blocks(spec: str) -> MHABlocks:
-    """``block_s:heads:split:num_warps[:num_stages][:pad]`` (see ``--mha_blocks``)."""
-    parts = spec.split(":")
-    pad = parts[-1] == "pad"
-    parts = parts[:-1] if pad else parts
-    if len(parts) not in (4, 5):
-        raise ValueError(f"bad --mha_blocks entry {spec!r}")
-    block_s, heads, split, num_warps = parts[:4]
-    extra = {"num_stages": int(parts[4])} if len(parts) == 5 else {}
-    if split == "one":
-        extra["min_programs"] = 1
-    elif split != "auto":
-        extra["split_s"] = int(split)
-    return MHABlocks(
-        block_s=int(block_s), heads=int(heads), num_warps=int(num_warps), pad_head=pad, **extra
-    )
-
-
 def _write(row: dict) -> None:
     logging.info("%s", row)
     if FLAGS.out:
@@ -229,7 +216,7 @@ def run_config(sh, slots, kv_dtype, window, rows, base) -> None:
     on_gpu = jax.default_backend() == "gpu"
     tilings = {
         AttentionImpl.PALLAS: [(_blocks(b), b) for b in FLAGS.pallas_blocks],
-        AttentionImpl.PALLAS_MHA: [(mha_blocks(b), b) for b in FLAGS.mha_blocks],
+        AttentionImpl.PALLAS_MHA: [(MHABlocks.parse(b), b) for b in FLAGS.mha_blocks],
     }
     full = [f for f in FLAGS.fills if f == "full"]
     plans = []  # (impl, blocks or None, label, fills)
