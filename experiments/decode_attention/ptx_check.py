@@ -130,6 +130,7 @@ def compile_sm90(ttir: str, num_warps: int, num_stages: int, workdir: str) -> di
             break
     if info is None:
         raise RuntimeError("no ptxas accepted the PTX")
+    ptxas_version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
     loop = ttgir[ttgir.find("scf.for") :]
     loop = loop[: loop.find("scf.yield")]
     loads: dict[str, int] = {}
@@ -145,6 +146,7 @@ def compile_sm90(ttir: str, num_warps: int, num_stages: int, workdir: str) -> di
         "loop_barriers_ttgir": loop.count("gpu.barrier") + loop.count("local_alloc"),
         "bar_sync_ptx": ptx.count("bar.sync"),
         "global_loads": loads,
+        "ptxas": ptxas_version.strip().splitlines()[-1] if ptxas_version else ptxas,
     }
 
 
@@ -155,6 +157,9 @@ def main(argv):
     Bsz, K, H = 2 * FLAGS.slots, tts.n_kv_heads, tts.head_dim
     S = tts.prompt_frames + config_lib.ServeConfig().context_frames
     scale = tts.query_pre_attn_scalar**-0.5
+    import triton
+
+    base = {"jax": jax.__version__, "triton": triton.__version__, "target": "cuda:90 (sm_90a)"}
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for kv in FLAGS.kv:
@@ -182,7 +187,7 @@ def main(argv):
                     def fn(q, k, v, n):
                         return decode_attention(q, k, v, n, scale=scale)
 
-                row = {"kernel": kernel, "blocks": label, "kv_dtype": kv, "B": Bsz, "S": S}
+                row = dict(base, kernel=kernel, blocks=label, kv_dtype=kv, B=Bsz, S=S)
                 try:
                     ttir = triton_module(fn, *args)
                     row.update(compile_sm90(ttir, warps, stages, workdir))
