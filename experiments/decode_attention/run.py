@@ -71,6 +71,8 @@ flags.DEFINE_list(
         "64:1:auto:4:s3",
         "64:1:auto:4:w16",
         "32:1:auto:4:w16",
+        "128:1:auto:8:w16",
+        "64:1:auto:4:w32",
         "64:1:auto:4:w128",
         "32:1:auto:4:w128",
     ],
