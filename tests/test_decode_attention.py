@@ -398,5 +398,5 @@ def test_serve_config_checks_tts_attention():
 
     assert ServeConfig().tts_attention is None
     assert ServeConfig(tts_attention="pallas").tts_attention is AttentionImpl.PALLAS
-    with pytest.raises(ValueError, match=r"tts_attention must be xla\|cudnn\|pallas"):
+    with pytest.raises(ValueError, match=r"tts_attention must be xla\|cudnn\|pallas\|pallas_mha"):
         ServeConfig(tts_attention="flash")

@@ -367,6 +367,9 @@ class AttentionImpl(enum.StrEnum):
     XLA = "xla"  # jnp, the reference
     CUDNN = "cudnn"  # jax.nn.dot_product_attention on cuDNN (bf16/fp16 caches only)
     PALLAS = "pallas"  # pallas_kernels.decode_attention (split-K, skips unread rows)
+    # pallas_kernels.mha_decode_attention where G = 1 (the speech decoder), the kernel above
+    # where G > 1 (the LLM)
+    PALLAS_MHA = "pallas_mha"
 
 
 class SSMKernel(enum.StrEnum):

@@ -1,20 +1,22 @@
-"""Decode attention at the 11B shapes: XLA, cuDNN and the Pallas kernel, by slot count and fill.
+"""Decode attention at the 11B shapes: XLA, cuDNN and the Pallas kernels, by slot count and fill.
 
 For each attention of the model (``tts``: the speech decoder, 2 CFG rows per slot, K 16, G 1,
 H 72, S 1537, fp32 activations over an fp32 or bf16 cache; ``llm``: the LLM, K 8, G 5, H 128,
 S 1500, bf16), each slot count, cache dtype, window, fill (how many rows each slot has written)
-and implementation (``voicechat_jax.model.attention.attend``'s 'xla', 'cudnn', 'pallas'): one
-jitted call that attends over ``--layers`` distinct layer caches in turn (as the model's unrolled
-layers do), timed as the median of ``--repeats`` calls, each blocked on. Reports ms per layer,
-the bytes a layer must read (the rows each slot attends to, in k and v, plus q and the output:
-what a kernel that skips unattended rows needs; XLA reads the whole cache whatever the fill), the
-achieved TB/s on those bytes, and each output's error against XLA's. A plain device copy is timed
-in the same process for scale. Rows go to ``--out`` as JSON lines as they are measured; a table is
-printed last. A configuration that fails to compile or run (cuDNN's shape rules, a Triton error)
-is recorded as a row with its error and the run goes on.
+and implementation (``voicechat_jax.model.attention.attend``'s 'xla', 'cudnn', 'pallas', and
+'pallas_mha', the G = 1 kernel of ``pallas_kernels/mha_decode_attention.py``, run for the speech
+decoder only: at G > 1 it is the 'pallas' kernel): one jitted call that attends over
+``--layers`` distinct layer caches in turn (as the model's unrolled layers do), timed as the
+median of ``--repeats`` calls, each blocked on. Reports ms per layer, the bytes a layer must read
+(the rows each slot attends to, in k and v, plus q and the output: what a kernel that skips
+unattended rows needs; XLA reads the whole cache whatever the fill), the achieved TB/s on those
+bytes, and each output's error against XLA's. A plain device copy is timed in the same process
+for scale. Rows go to ``--out`` as JSON lines as they are measured; a table is printed last. A
+configuration that fails to compile or run (cuDNN's shape rules, a Triton error) is recorded as
+a row with its error and the run goes on.
 
-``--tiny`` runs small shapes on the CPU (the kernel in the Pallas interpreter, no cuDNN): a check
-that the script works, not a measurement. See README.md.
+``--tiny`` runs small shapes on the CPU (the kernels in the Pallas interpreter, no cuDNN): a
+check that the script works, not a measurement. See README.md.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from absl import app, flags, logging
 
 from experiments.beat_profile.components import device_copy_tbps, rel_err, time_calls
 from pallas_kernels.decode_attention import DecodeAttentionBlocks
+from pallas_kernels.mha_decode_attention import MHABlocks, plan
 from voicechat_jax import config as config_lib
 from voicechat_jax.model.attention import AttentionImpl, attend
 
@@ -49,12 +52,35 @@ flags.DEFINE_list(
     "Speech-decoder windows: 'config' (the preset's "
     "sliding window; at 11B 7500 > S, so it cuts nothing), 'none', or ints.",
 )
-flags.DEFINE_list("impls", ["xla", "cudnn", "pallas"], "Implementations.")
+flags.DEFINE_list("impls", ["xla", "cudnn", "pallas", "pallas_mha"], "Implementations.")
 flags.DEFINE_list(
     "pallas_blocks",
     ["64:256:4", "32:128:4", "128:512:4", "64:256:8"],
     "Pallas tilings block_s:split_s:num_warps; the first runs every configuration, "
     "the others only at fill 'full' (a sweep).",
+)
+flags.DEFINE_list(
+    "mha_blocks",
+    [
+        "64:1:auto:4",
+        "32:1:auto:4",
+        "32:2:auto:4",
+        "128:1:auto:8",
+        "2:32:auto:4",
+        "64:1:one:4",
+        "64:1:auto:4:s3",
+        "64:1:auto:4:w16",
+        "32:1:auto:4:w16",
+        "128:1:auto:8:w16",
+        "64:1:auto:4:w32",
+        "64:1:auto:4:w128",
+        "32:1:auto:4:w128",
+    ],
+    "G = 1 kernel ('pallas_mha') tilings, MHABlocks.label()'s "
+    "block_s:heads:split:num_warps[:sN][:wN]: split 'auto' (S split when there are fewer than "
+    "4096 head groups), 'one' (never split) or rows; sN num_stages; wN lanes per head-dim piece "
+    "(default: 8 at H 72; w128 pads H to 128 lanes). The first runs every configuration, the "
+    "others only at fill 'full' (a sweep).",
 )
 flags.DEFINE_integer("layers", 8, "Distinct layer caches attended per timed call.")
 flags.DEFINE_integer("repeats", 20, "Timed calls per row (median), after 2 warm-up calls.")
@@ -145,12 +171,16 @@ def make_layers(sh: Shape, Bsz: int, kv_dtype, layers: int, seed: int):
     return tuple(qs), tuple(ks), tuple(vs)
 
 
-def layered(impl: str, window: int | None, scale: float, blocks: DecodeAttentionBlocks | None):
-    """jit(qs, ks, vs, lengths) -> one output per layer, each layer attended in turn."""
+def layered(impl: str, window: int | None, scale: float, blocks):
+    """jit(qs, ks, vs, lengths) -> one output per layer, each layer attended in turn.
+
+    ``blocks``: a ``DecodeAttentionBlocks`` ('pallas'), an ``MHABlocks`` ('pallas_mha') or None.
+    """
+    tiling = {"mha_blocks" if isinstance(blocks, MHABlocks) else "blocks": blocks}
 
     def fn(qs, ks, vs, lengths):
         return tuple(
-            attend(q, k, v, lengths, window=window, scale=scale, impl=impl, blocks=blocks)
+            attend(q, k, v, lengths, window=window, scale=scale, impl=impl, **tiling)
             for q, k, v in zip(qs, ks, vs, strict=True)
         )
 
@@ -186,17 +216,23 @@ def run_config(sh, slots, kv_dtype, window, rows, base) -> None:
     qs, ks, vs = make_layers(sh, Bsz, kv_dtype, layers, seed=slots)
     cache_bytes = 2 * Bsz * sh.K * sh.S * sh.H * jnp.dtype(kv_dtype).itemsize
     on_gpu = jax.default_backend() == "gpu"
-    tilings = [_blocks(b) for b in FLAGS.pallas_blocks]
-    plans = []  # (impl, blocks or None, fills)
+    tilings = {
+        AttentionImpl.PALLAS: [(_blocks(b), b) for b in FLAGS.pallas_blocks],
+        AttentionImpl.PALLAS_MHA: [(MHABlocks.parse(b), b) for b in FLAGS.mha_blocks],
+    }
+    full = [f for f in FLAGS.fills if f == "full"]
+    plans = []  # (impl, blocks or None, label, fills)
     for impl in (AttentionImpl(i) for i in FLAGS.impls):
-        if impl == AttentionImpl.PALLAS:
-            plans.append((impl, tilings[0], FLAGS.fills))
-            plans += [(impl, t, [f for f in FLAGS.fills if f == "full"]) for t in tilings[1:]]
+        if impl == AttentionImpl.PALLAS_MHA and sh.G != 1:
+            continue  # at G > 1 'pallas_mha' runs the 'pallas' kernel
+        if impl in tilings:
+            (first, label), *rest = tilings[impl]
+            plans.append((impl, first, label, FLAGS.fills))
+            plans += [(impl, t, lab, full) for t, lab in rest]
         else:
-            plans.append((impl, None, FLAGS.fills))
+            plans.append((impl, None, "", FLAGS.fills))
     reference = {}  # fill -> xla's output of layer 0
-    for impl, blocks, fills in plans:
-        label = f"{blocks.block_s}:{blocks.split_s}:{blocks.num_warps}" if blocks else ""
+    for impl, blocks, label, fills in plans:
         common = dict(
             base,
             impl=str(impl),
@@ -207,6 +243,9 @@ def run_config(sh, slots, kv_dtype, window, rows, base) -> None:
             B=Bsz,
             layers=layers,
         )
+        if isinstance(blocks, MHABlocks):  # the grid it resolves to at these shapes
+            p = plan(Bsz * sh.K, sh.S, blocks)
+            common.update(heads_per_program=p.P, split_s=p.split_s, n_splits=p.n_splits)
         skip = None
         if impl == AttentionImpl.CUDNN and not on_gpu:
             skip = "cuDNN needs a GPU"
@@ -253,8 +292,8 @@ def run_config(sh, slots, kv_dtype, window, rows, base) -> None:
 
 def _table(rows: list[dict]) -> None:
     head = (
-        f"{'model':>5} {'slots':>5} {'kv':>8} {'window':>6} {'fill':>5} {'impl':>6} "
-        f"{'blocks':>10} {'ms/layer':>9} {'GB':>6} {'TB/s':>5} {'vs xla':>7} {'err':>8}"
+        f"{'model':>5} {'slots':>5} {'kv':>8} {'window':>6} {'fill':>5} {'impl':>10} "
+        f"{'blocks':>15} {'ms/layer':>9} {'GB':>6} {'TB/s':>5} {'vs xla':>7} {'err':>8}"
     )
     print(head)
     xla = {}
@@ -265,7 +304,7 @@ def _table(rows: list[dict]) -> None:
         key = (r["model"], r["slots"], r["kv_dtype"], r["window"], r["fill"])
         start = (
             f"{r['model']:>5} {r['slots']:>5} {r['kv_dtype']:>8} {r['window']!s:>6} "
-            f"{r['fill']:>5} {r['impl']:>6} {r['blocks']:>10}"
+            f"{r['fill']:>5} {r['impl']:>10} {r['blocks']:>15}"
         )
         if "ms" not in r:
             print(f"{start}  {r.get('skipped') or r.get('error')}")

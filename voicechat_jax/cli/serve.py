@@ -116,11 +116,13 @@ flags.DEFINE_enum(
     [m.value for m in config_lib.ProjectionImpl],
     "LLM MLP and Mamba projections (pallas: the weight-streaming kernel).",
 )
-flags.DEFINE_enum("attention", "xla", ["xla", "cudnn", "pallas"], "LLM decode attention.")
+flags.DEFINE_enum(
+    "attention", "xla", [m.value for m in config_lib.AttentionImpl], "LLM decode attention."
+)
 flags.DEFINE_enum(
     "tts_attention",
     None,
-    ["xla", "cudnn", "pallas"],
+    [m.value for m in config_lib.AttentionImpl],
     "Speech decoder attention (default: as --attention).",
 )
 flags.DEFINE_enum(

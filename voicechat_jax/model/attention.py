@@ -22,7 +22,16 @@ by one switch (``AttentionImpl``):
   boolean ``mask`` [B, 1, 1, S] instead (cuDNN turns it into an additive bias read per score).
 - ``'pallas'``: ``pallas_kernels.decode_attention``, the split-K Triton kernel that reads the
   cache as stored and skips the rows a slot does not attend to (interpreted on the CPU, decided
-  at trace time). fp32 softmax; it matches 'xla' to rounding, not bit for bit.
+  at trace time). fp32 softmax; it matches 'xla' to rounding, not bit for bit. Written for the
+  LLM's grouped-query case (G > 1); at G = 1 it pads H to 128 lanes and has one query row per
+  program.
+- ``'pallas_mha'``: at G = 1 (the speech decoder), ``pallas_kernels.mha_decode_attention``, the
+  kernel laid out for one query per kv head (heads as rows, H unpadded, a bf16 cache read as
+  bf16, rows past a slot's length skipped); at G > 1 the same kernel as ``'pallas'``, so one value
+  can serve both attentions. fp32 softmax; it matches 'xla' to rounding. A new value rather than
+  a change to ``'pallas'`` at G = 1: it has not been measured against XLA on the H200 yet, and
+  ``--attention=pallas`` (which the speech decoder follows by default) keeps meaning what its
+  measured rows measured.
 
 Shapes (axis letters of ``voicechat_jax.model``): q [B, K, G, H] (query head ``n = k * G + g``,
 i.e. ``q.reshape(B, K, G, H)`` of the model's [B, N, H]); k, v [B, K, S, H] one layer's cache,
@@ -41,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decode_attention import DecodeAttentionBlocks, decode_attention
+from pallas_kernels.mha_decode_attention import MHABlocks, mha_decode_attention
 from voicechat_jax.config import AttentionImpl
 
 F32 = jnp.float32
@@ -112,6 +122,7 @@ def attend(
     scale: float,
     impl: AttentionImpl | str = AttentionImpl.XLA,
     blocks: DecodeAttentionBlocks | None = None,
+    mha_blocks: MHABlocks | None = None,
 ) -> jax.Array:
     """One decode step of attention over a per-slot KV cache (the module docstring's contract).
 
@@ -121,8 +132,10 @@ def attend(
       lengths: [B] int32 rows written per slot, the query's own included.
       window: static sliding window (the last ``window`` rows), or None for a global layer.
       scale: static Python float multiplying q . k.
-      impl: 'xla', 'cudnn' or 'pallas' (static).
-      blocks: the Pallas kernel's tiling ('pallas' only); default ``DecodeAttentionBlocks()``.
+      impl: 'xla', 'cudnn', 'pallas' or 'pallas_mha' (static).
+      blocks: the grouped-query kernel's tiling ('pallas', and 'pallas_mha' at G > 1); default
+        ``DecodeAttentionBlocks()``.
+      mha_blocks: the G = 1 kernel's tiling ('pallas_mha' at G = 1); default ``MHABlocks()``.
 
     Returns:
       [B, K, G, H] in q's dtype; exactly zero for a slot that sees no row.
@@ -133,7 +146,7 @@ def attend(
     """
     impl = AttentionImpl(impl)
     _check(q.ndim == 4, f"q must be [B, K, G, H]: {q.shape}")
-    Bsz, K, _, H = q.shape
+    Bsz, K, G, H = q.shape
     _check(
         k.ndim == 4 and k.shape[:2] == (Bsz, K) and k.shape[3] == H and v.shape == k.shape,
         f"k and v must be [B={Bsz}, K={K}, S, H={H}]: {k.shape}, {v.shape}",
@@ -146,9 +159,14 @@ def attend(
     S = k.shape[2]
     if window is not None and window >= S:
         window = None  # cuts nothing at any length <= S: run the global path (no mask to build)
-    if impl == AttentionImpl.PALLAS:
+    # No CPU lowering for the kernels: they run in the Pallas interpreter there.
+    interpret = jax.default_backend() == "cpu"
+    if impl == AttentionImpl.PALLAS_MHA and G == 1:
+        return mha_decode_attention(
+            q, k, v, lengths, window=window, scale=scale, interpret=interpret, blocks=mha_blocks
+        )
+    if impl in (AttentionImpl.PALLAS, AttentionImpl.PALLAS_MHA):
         b = blocks or DecodeAttentionBlocks()
-        # No CPU lowering: the kernel runs in the Pallas interpreter there.
         return decode_attention(
             q,
             k,
@@ -156,7 +174,7 @@ def attend(
             lengths,
             window=window,
             scale=scale,
-            interpret=jax.default_backend() == "cpu",
+            interpret=interpret,
             block_s=b.block_s,
             split_s=b.split_s,
             num_warps=b.num_warps,
