@@ -38,6 +38,12 @@ flags.DEFINE_list("server_flags", [], "More voicechat-serve flags, comma-separat
 flags.DEFINE_string("label", None, "Names the run in the rows.")
 flags.DEFINE_string("rows", None, "JSON-lines file the rows are appended to.")
 flags.DEFINE_float("ready_timeout_s", 1800.0, "How long the server may take to compile.")
+flags.DEFINE_string(
+    "server_dir",
+    None,
+    "Keep the server's outputs (metrics.jsonl with every tick's host timeline, "
+    "server.log) here instead of a temporary directory.",
+)
 
 
 def _free_port() -> int:
@@ -58,7 +64,8 @@ def main(argv: list[str]) -> None:
     del argv
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    out = tempfile.mkdtemp(prefix="network_load_")
+    out = FLAGS.server_dir or tempfile.mkdtemp(prefix="network_load_")
+    os.makedirs(out, exist_ok=True)
     cmd = [
         sys.executable, "-m", "voicechat_jax.cli.serve", f"--listen=127.0.0.1:{port}",
         f"--slots={FLAGS.clients}", f"--output_dir={out}", "--idle_timeout_s=30",
