@@ -235,6 +235,23 @@ def test_context_cap_rollover_goes_on_without_a_gap(params):
     assert np.all(np.isfinite(out["wav"]))
 
 
+def test_hold_full_keeps_every_cache_full_and_the_session_live(params):
+    """The benchmark-only ``hold_full``: past a 6-frame cap for 8 ticks, the session never reaches
+    the cap (no end, no roll-over) and after every tick both caches read as full."""
+    serve = ServeConfig(
+        slots=2, frames_per_tick=2, context_frames=6, hold_full=True, precision=PREC
+    )
+    engine = Engine(params, CFG, serve)
+    server = Server(engine, clock="offline", loop="dispatch", warmup_ticks=0)
+    server.run([SessionPlan(id="full", audio=_speech(2, 42))], 8)
+    assert "full" not in server.ended
+    assert server.logs["full"].arrays()["text"].size == 16
+    model, fresh = engine.state.model, engine.template
+    # Slot 0 served: full. Slot 1 never joined: its state is the template's, untouched.
+    assert np.asarray(model.llm.length).tolist() == [model.llm.k[0].shape[2], *fresh.llm.length]
+    assert np.asarray(model.tts.pos).tolist() == [model.tts.k[0].shape[3], *fresh.tts.pos]
+
+
 def _write_wav(path, x, rate=16000, channels=1):
     with wave.open(str(path), "wb") as w:
         w.setnchannels(channels)

@@ -416,6 +416,10 @@ class ServeConfig:
     projection: ProjectionImpl = ProjectionImpl.XLA  # LLM MLP and Mamba projections
     deadline_ms: float | None = None  # default: the beat period
     capsule_tokens: int = 96  # U: room for a roll-over's conversation capsule (token ids)
+    # Benchmarks only: every live slot's attention caches held full (``step.hold_full``), so a
+    # kernel that skips rows past a slot's length reads the whole cache on every tick, the worst
+    # case of a two-minute context for as long as a run lasts. The outputs are meaningless.
+    hold_full: bool = False
     # Dtypes and matmul precision (a ``Precision`` or a policy name of ``precision.POLICIES``);
     # the params must be built or restored in the same policy.
     precision: Precision = dataclasses.field(default_factory=Precision.reference)

@@ -132,6 +132,17 @@ def reseed(
     return jax.lax.fori_loop(0, jnp.sum(mask, dtype=jnp.int32), one, model)
 
 
+def hold_full(model: voicechat.FrameState, fpt: int, mask: jax.Array) -> voicechat.FrameState:
+    """Benchmarks only (``ServeConfig.hold_full``): both attention caches of the slots in
+    ``mask`` [B] set to one beat short of full, so the beat writes their last ``fpt`` rows and
+    every attention reads the whole cache. Costs what a slot at the cap costs; what it computes is
+    meaningless. Other slots are untouched."""
+    llm_rows, tts_rows = model.llm.k[0].shape[2], model.tts.k[0].shape[3]
+    llm = model.llm.replace(length=jnp.where(mask, llm_rows - fpt, model.llm.length))
+    tts = model.tts.replace(pos=jnp.where(mask, tts_rows - fpt, model.tts.pos))
+    return model.replace(llm=llm, tts=tts)
+
+
 def has_room(model: voicechat.FrameState, fpt: int) -> jax.Array:
     """[B] bool: both attention caches have room for another beat of ``fpt`` frames."""
     llm_room = model.llm.length + fpt <= model.llm.k[0].shape[2]
@@ -178,6 +189,8 @@ def tick(
         # prompt alone; it keeps its key, its streams and its audio.
         reseeded = reseeded | at_cap
     model = reseed(params, model, template, reseeded, beat.capsule, capsule_len, cfg=cfg)
+    if serve.hold_full:
+        model = hold_full(model, fpt, active)
     room = has_room(model, fpt)
     ran = active & room & beat.run
     active = active & room

@@ -41,9 +41,20 @@ flags.DEFINE_enum(
 flags.DEFINE_enum(
     "projection", "xla", [m.value for m in config_lib.ProjectionImpl], "LLM projections."
 )
-flags.DEFINE_enum("attention", "xla", ["xla", "cudnn", "pallas"], "LLM decode attention.")
 flags.DEFINE_enum(
-    "tts_attention", None, ["xla", "cudnn", "pallas"], "Speech decoder's (default: as --attention)."
+    "attention", "xla", [m.value for m in config_lib.AttentionImpl], "LLM decode attention."
+)
+flags.DEFINE_bool(
+    "hold_full",
+    False,
+    "Benchmark only: hold every slot's attention caches full (ServeConfig.hold_full), so kernels "
+    "that skip unfilled rows read the whole 1,500-frame cache on every tick (the worst case).",
+)
+flags.DEFINE_enum(
+    "tts_attention",
+    None,
+    [m.value for m in config_lib.AttentionImpl],
+    "Speech decoder's (default: as --attention).",
 )
 
 
@@ -75,6 +86,7 @@ def make_engine(params, cfg, precision, sessions: int, template=None, **serve_kw
         precision=precision,
         at_cap=FLAGS.at_cap,
         projection=FLAGS.projection,
+        hold_full=FLAGS.hold_full,
         **serve_kw,
     )
     return Engine(params, cfg, serve, template=template)
@@ -115,6 +127,7 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "missed_by_cause": s["missed_by_cause"],
         "skipped_by_cause": s["skipped_by_cause"],
         "at_cap": FLAGS.at_cap,
+        "hold_full": FLAGS.hold_full,
         "warmup_max_ms": s["warmup"]["latency_ms"]["max"],
         "state_gib": round(engine.memory.state_bytes / 2**30, 2),
         "memory_gib": device_memory(),

@@ -44,6 +44,7 @@ def baseline(params, cfg, precision, template, ticks: int) -> dict:
         attention=FLAGS.attention,
         tts_attention=FLAGS.tts_attention,
         projection=FLAGS.projection,
+        hold_full=FLAGS.hold_full,
         precision=precision,
     )
     engine = Engine(params, cfg, serve, template=template)
