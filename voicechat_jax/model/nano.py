@@ -27,6 +27,11 @@ Two paths share the params: ``prefill`` (a whole sequence: chunked SSD scan, the
 transformers' ``mamba2_chunk_scan``) and ``step`` (one frame: the recurrent update of
 ``mamba2_selective_state_update``). Both continue from a ``NanoState`` and return it updated.
 
+Both also run as one device's share of a tensor-parallel model axis (the section at the end:
+``shard_config`` gives the local sizes, ``to_tensor_parallel`` and ``partition_specs`` the
+weights' layout and split, ``state_partition_specs`` the state's); with a plain ``LLMConfig``
+they are the one-device model, unchanged.
+
 Precision (``Precision``): weights and activations in ``precision.llm`` (bf16 as NeMo serves the
 release), the residual stream fp32, the Mamba conv, SSM scan and gated norm computed in fp32 (as the
 ``causal_conv1d`` / ``mamba_ssm`` kernels do) with their outputs cast back to the activation dtype,
@@ -776,8 +781,9 @@ def shard_config(cfg: LLMConfig, model_parallel: int, axis: str = "model") -> LL
 def _all_reduce(partial: jax.Array, cfg: LLMConfig | None) -> jax.Array:
     """A row-parallel product's partial sums added over the model axis (identity off it).
 
-    Added in fp32 and rounded once to the activation dtype, so that a bf16 policy rounds the
-    sum, not each device's share of it.
+    The shares (each rounded to the activation dtype by its own product, as one device's whole
+    product is) are added in fp32 and the sum rounded once more: under a bf16 policy the
+    all-reduce adds no bf16 rounding per device.
     """
     if not isinstance(cfg, LLMShard):
         return partial
