@@ -268,7 +268,7 @@ def test_one_device_and_data_meshes_are_unchanged():
     assert nano.shard_config(cfg.llm, 1) is cfg.llm
     assert mesh_lib.make_mesh(1).axis_names == (mesh_lib.DATA,)
     assert mesh_lib.make_mesh(1, model_parallel=1).axis_names == (mesh_lib.DATA, mesh_lib.MODEL)
-    assert mesh_lib.param_specs(cfg, data) == mesh_lib.P()
+    assert mesh_lib.param_specs(data) == mesh_lib.P()
 
 
 def test_all_reduce_groups_reads_listed_and_iota_groups():

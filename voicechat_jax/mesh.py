@@ -176,7 +176,7 @@ def _named(specs, mesh: Mesh):
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
-def param_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh):
+def param_specs(mesh: Mesh | AbstractMesh):
     """A ``ModelParams`` prefix of ``PartitionSpec``: all replicated, but the LLM's split over
     ``model`` (``nano.partition_specs``, tensor-parallel layout) when the mesh has that axis."""
     if model_parallel(mesh) == 1:
@@ -296,7 +296,7 @@ def make_tick(cfg: ModelConfig, serve: ServeConfig, mesh: Mesh) -> Callable:
         with serve.precision.scope():
             return step_lib.tick(params, state, template, beat, cfg=local, serve=serve)
 
-    specs = (param_specs(cfg, mesh), state_specs(cfg, mesh), template_specs(cfg, mesh), P(DATA))
+    specs = (param_specs(mesh), state_specs(cfg, mesh), template_specs(cfg, mesh), P(DATA))
     per_device = shard_map(tick, mesh=mesh, in_specs=specs, out_specs=(specs[1], P(DATA)))
     shardings = _named(specs, mesh)
     return jax.jit(
@@ -327,7 +327,7 @@ def all_reduce_groups(hlo_text: str) -> dict[frozenset[tuple[int, ...]], int]:
         if m is None:
             raise ValueError(f"an all-reduce without replica_groups: {line.strip()[:200]}")
         if m.group("listed") is not None:
-            groups = [g for g in re.findall(r"\{([\d,]*)\}", m.group("listed"))]
+            groups = re.findall(r"\{([\d,]*)\}", m.group("listed"))
             ids = [tuple(int(i) for i in g.split(",") if i) for g in groups]
         else:
             shape = [int(i) for i in m.group("shape").split(",")]
