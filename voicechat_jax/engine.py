@@ -136,6 +136,8 @@ class Engine:
           mesh: a ``data`` mesh (``mesh.make_mesh``) to split the slots over: params and template
             replicated on its devices, the state split by slot, the tick ``mesh.make_tick``, each
             beat placed by ``tick``; the memory plan is then per device (``slots / devices``).
+            A ``(data, model)`` mesh also splits the LLM's weights and state over ``model``
+            (``mesh.put_params``; a given ``template`` is in the one-device layout).
             The dispatch loop only (``compile_resident`` refuses a mesh). Default: one device.
 
         Raises:
@@ -154,7 +156,9 @@ class Engine:
         if template is None:
             template = build_template(params, cfg, serve)
         if mesh is not None:
-            template = mesh_lib.put_replicated(template, mesh)
+            # On a (data, model) mesh the LLM's weights and template state split over ``model``.
+            template = mesh_lib.put_template(template, cfg, mesh)
+            self.params = mesh_lib.put_params(params, cfg, mesh)
         self.template = template
         jax.block_until_ready(self.template)
         self.template_s = time.perf_counter() - t

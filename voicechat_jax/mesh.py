@@ -19,11 +19,23 @@ lies (``state_from_template``; never a replicated full copy first), and each bea
 The mesh loop is the dispatch loop (``Engine.tick``): the resident loop's ``io_callback``s get a
 maximal sharding on device 0, so on a mesh every output leaf is all-gathered to device 0 and every
 beat broadcast from it, each beat (``experiments/mesh/README.md`` has what was measured).
+
+**Tensor parallelism of the LLM** (``make_mesh(n, model_parallel=m)``): a 2-D ``(data, model)``
+mesh of ``n / m`` x ``m`` devices. The slots split over ``data`` as above; over ``model`` the LLM's
+weights and decode state are split Megatron-style (``nano``'s tensor-parallel section: Mamba and
+attention heads, MLP columns; one ``psum`` over ``model`` after each row-parallel product, plus
+one per Mamba layer for the gated norm when a B/C group spans devices). Each ``model`` group of
+m devices steps the same ``B / (n / m)`` slots together: every other part of the tick (encoder,
+RNNT, speech decoder, codec, sampler) and the LLM's embedding, norms and heads are replicated over
+``model`` and computed by each of the m devices alike. The tick's only collectives are those
+all-reduces, each within a ``model`` group (``all_reduce_groups``). A 1-D mesh, or
+``model_parallel=1``, is the data-parallel layout above, unchanged.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Sequence
@@ -36,9 +48,10 @@ from jax.sharding import PartitionSpec as P
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ModelConfig, ServeConfig
-from voicechat_jax.model import voicechat
+from voicechat_jax.model import nano, voicechat
 
 DATA = "data"  # the mesh axis the slots are split over
+MODEL = "model"  # the mesh axis the LLM's heads are split over (tensor parallelism)
 
 # HLO opcodes that move data between devices; the sharded tick must contain none of them.
 COLLECTIVES = (
@@ -54,10 +67,27 @@ COLLECTIVES = (
 # never part of an instruction's name (`%all-reduce.3`, `%fusion.all-gather-like`); the async
 # forms `all-reduce-start` / `-done` are counted once, by their `-start`.
 _OPCODE = re.compile(r"(?<![\w.%-])(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+# An all-reduce's groups of devices: listed (`{{0,1},{2,3}}`) or as an iota (`[2,2]<=[4]`,
+# `[2,2]<=[2,2]T(1,0)`: arange over the dims, transposed, reshaped to [groups, size]).
+_GROUPS = re.compile(
+    r"replica_groups=(?:\{(?P<listed>(?:\{[\d,]*\},?)*)\}"
+    r"|\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?)"
+)
 
 
-def make_mesh(devices: int | Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D ``data`` mesh over ``devices``: a count (the first n local devices), a list, or all."""
+def make_mesh(
+    devices: int | Sequence[jax.Device] | None = None, *, model_parallel: int | None = None
+) -> Mesh:
+    """A mesh over ``devices``: a count (the first n local devices), a list, or all.
+
+    Without ``model_parallel``, the 1-D ``data`` mesh (slots split over every device). With
+    ``model_parallel=m``, the 2-D ``(data, model)`` mesh of ``n / m`` x ``m``: device i at
+    ``(i // m, i % m)``, so each ``model`` group is m consecutive devices (``m = 1`` is the
+    data-parallel layout with a ``model`` axis of size 1).
+
+    Raises:
+      ValueError: more devices than this process has, or ``model_parallel`` not dividing them.
+    """
     if devices is None:
         devices = jax.local_devices()
     elif isinstance(devices, int):
@@ -65,7 +95,38 @@ def make_mesh(devices: int | Sequence[jax.Device] | None = None) -> Mesh:
         if not 1 <= devices <= len(local):
             raise ValueError(f"asked for {devices} devices; this process has {len(local)}")
         devices = local[:devices]
-    return Mesh(np.asarray(list(devices)), (DATA,))
+    devices = np.asarray(list(devices))
+    if model_parallel is None:
+        return Mesh(devices, (DATA,))
+    if model_parallel < 1 or len(devices) % model_parallel:
+        raise ValueError(
+            f"model_parallel={model_parallel} does not divide the {len(devices)} devices"
+        )
+    return Mesh(devices.reshape(-1, model_parallel), (DATA, MODEL))
+
+
+def model_parallel(mesh: Mesh | AbstractMesh) -> int:
+    """Devices on the mesh's ``model`` axis (1 without one: data parallelism only)."""
+    return dict(mesh.shape).get(MODEL, 1)
+
+
+def local_config(cfg: ModelConfig, serve: ServeConfig, mesh: Mesh | AbstractMesh) -> ModelConfig:
+    """The model config one device runs: ``cfg`` with the LLM's ``nano.shard_config``.
+
+    ``cfg`` itself without tensor parallelism. Raises ``ValueError`` (one line) when the
+    ``model`` axis cannot split the LLM (``nano.shard_config``), or for the fused Mamba kernel
+    with B/C groups split over devices.
+    """
+    m = model_parallel(mesh)
+    if m == 1:
+        return cfg
+    llm = nano.shard_config(cfg.llm, m, MODEL)
+    if serve.ssm_kernel == "fused" and llm.norm_ranks > 1:
+        raise ValueError(
+            f"ssm_kernel='fused' needs the LLM's n_groups={cfg.llm.n_groups} to divide by "
+            f"model_parallel={m} (each device normalises whole groups)"
+        )
+    return dataclasses.replace(cfg, llm=llm)
 
 
 def shard_map(f: Callable, *, mesh: Mesh, in_specs, out_specs) -> Callable:
@@ -106,6 +167,78 @@ def put_replicated(tree, mesh: Mesh):
     return jax.device_put(tree, replicated(mesh))
 
 
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def _named(specs, mesh: Mesh):
+    """A tree (or tree prefix) of ``PartitionSpec`` as ``NamedSharding`` over ``mesh``."""
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+
+def param_specs(mesh: Mesh | AbstractMesh):
+    """A ``ModelParams`` prefix of ``PartitionSpec``: all replicated, but the LLM's split over
+    ``model`` (``nano.partition_specs``, tensor-parallel layout) when the mesh has that axis."""
+    if model_parallel(mesh) == 1:
+        return P()
+    return voicechat.ModelParams(
+        encoder=P(), llm=nano.partition_specs(MODEL), rnnt=P(), tts=P(), codec=P()
+    )
+
+
+def _frame_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh, batch: str | None):
+    """A ``FrameState`` prefix: slot axis over ``batch``; the LLM's heads over ``model``."""
+    if model_parallel(mesh) == 1:
+        return P(batch)
+    b = P(batch)
+    llm = nano.state_partition_specs(cfg.llm, MODEL, batch)
+    return voicechat.FrameState(
+        encoder=b, llm=llm, rnnt=b, tts=b, codec=b, text_prev=b, func_prev=b, frame=b
+    )
+
+
+def state_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh):
+    """A ``SessionState`` prefix of ``PartitionSpec``: slots over ``data``, LLM heads over
+    ``model`` (``nano.state_partition_specs``)."""
+    if model_parallel(mesh) == 1:
+        return P(DATA)
+    return state_lib.SessionState(model=_frame_specs(cfg, mesh, DATA), active=P(DATA), key=P(DATA))
+
+
+def template_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh):
+    """The fresh-session template's (``[1, ...]`` leaves): replicated, LLM heads over ``model``."""
+    return _frame_specs(cfg, mesh, None)
+
+
+def put_params(params: voicechat.ModelParams, cfg: ModelConfig, mesh: Mesh):
+    """The params placed for ``mesh``: replicated, the LLM's in the tensor-parallel layout
+    (``nano.to_tensor_parallel``) and split over ``model`` when the mesh has that axis.
+
+    The one-device layout goes in (as restored or built); only the LLM's leaves are rebuilt.
+    """
+    params = put_replicated(params, mesh)
+    m = model_parallel(mesh)
+    if m == 1:
+        return params
+    specs = _named(nano.partition_specs(MODEL), mesh)
+    to_tp = jax.jit(
+        functools.partial(nano.to_tensor_parallel, cfg=cfg.llm, m=m), out_shardings=specs
+    )
+    return params.replace(llm=to_tp(params.llm))
+
+
+def put_template(template: voicechat.FrameState, cfg: ModelConfig, mesh: Mesh):
+    """The fresh-session template placed for ``mesh`` (one-device layout in): replicated, its
+    LLM state in the tensor-parallel layout and split over ``model`` when the mesh has that axis."""
+    template = put_replicated(template, mesh)
+    m = model_parallel(mesh)
+    if m == 1:
+        return template
+    specs = _named(nano.state_partition_specs(cfg.llm, MODEL, None), mesh)
+    fn = functools.partial(nano.state_to_tensor_parallel, cfg=cfg.llm, m=m)
+    return template.replace(llm=jax.jit(fn, out_shardings=specs)(template.llm))
+
+
 def put_beat(beat: state_lib.BeatInput, mesh: Mesh) -> state_lib.BeatInput:
     """The beat's leaves (NumPy, slot axis first) split over ``data``: each device gets its rows."""
     return jax.device_put(beat, slot_sharding(mesh))
@@ -114,43 +247,62 @@ def put_beat(beat: state_lib.BeatInput, mesh: Mesh) -> state_lib.BeatInput:
 def state_from_template(
     template: voicechat.FrameState, slots: int, mesh: Mesh
 ) -> state_lib.SessionState:
-    """``state.from_template`` built sharded: each device materialises only its own slots."""
+    """``state.from_template`` built sharded: each device materialises only its own slots.
+
+    Each state leaf splits like its template leaf (``put_template``), with the slot axis over
+    ``data``: the LLM's heads stay split over ``model`` on a tensor-parallel mesh.
+    """
     check_slots(slots, mesh)
-    return _state_builder(slots, mesh)(template)
+    leaves, treedef = jax.tree_util.tree_flatten(template)
+    specs = tuple(_slot_spec(x, mesh) for x in leaves)
+    return _state_builder(slots, mesh, treedef, specs)(template)
+
+
+def _slot_spec(x, mesh: Mesh) -> P:
+    """A template leaf's spec with its (size-1) slot axis over ``data``."""
+    s = getattr(x, "sharding", None)
+    rest = tuple(s.spec)[1:] if isinstance(s, NamedSharding) and s.mesh == mesh else ()
+    return P(DATA, *rest)
 
 
 @functools.cache
-def _state_builder(slots: int, mesh: Mesh) -> Callable:
-    """The jitted, slot-sharded ``from_template`` of a slot count and mesh (``reset`` reuses it)."""
-    return jax.jit(
-        functools.partial(state_lib.from_template, slots=slots), out_shardings=slot_sharding(mesh)
+def _state_builder(slots: int, mesh: Mesh, treedef, specs: tuple[P, ...]) -> Callable:
+    """The jitted, sharded ``from_template`` of a slot count, mesh and template layout (``reset``
+    reuses it)."""
+    template = jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
+    out = state_lib.SessionState(
+        model=template, active=slot_sharding(mesh), key=slot_sharding(mesh)
     )
+    return jax.jit(functools.partial(state_lib.from_template, slots=slots), out_shardings=out)
 
 
 def make_tick(cfg: ModelConfig, serve: ServeConfig, mesh: Mesh) -> Callable:
     """The tick over ``mesh``: ``tick(params, state, template, beat)``, argument 1 donated.
 
     Each device runs ``step.tick`` on its ``B / n`` slots with the replicated weights and
-    template; nothing crosses between devices. Arguments must already be placed (params and
-    template ``replicated``, state and beat ``slot_sharding``); the outputs are slot-sharded.
+    template; on a 1-D ``data`` mesh nothing crosses between devices. On a ``(data, model)``
+    mesh each device runs it with ``local_config``'s LLM (its share of the heads), adding the
+    row-parallel partial sums over its ``model`` group. Arguments must already be placed
+    (``put_params``, ``put_template``, ``state_from_template``, ``put_beat``); the outputs are
+    slot-sharded, the state as it came in.
+
+    Raises:
+      ValueError: slots that do not split over ``data``, or an LLM that ``model`` cannot split.
     """
     check_slots(serve.slots, mesh)
+    local = local_config(cfg, serve, mesh)
 
     def tick(params, state, template, beat):  # the name step.CompileCounter("tick") counts
         with serve.precision.scope():
-            return step_lib.tick(params, state, template, beat, cfg=cfg, serve=serve)
+            return step_lib.tick(params, state, template, beat, cfg=local, serve=serve)
 
-    per_device = shard_map(
-        tick,
-        mesh=mesh,
-        in_specs=(P(), P(DATA), P(), P(DATA)),
-        out_specs=(P(DATA), P(DATA)),
-    )
-    rep, slots = replicated(mesh), slot_sharding(mesh)
+    specs = (param_specs(mesh), state_specs(cfg, mesh), template_specs(cfg, mesh), P(DATA))
+    per_device = shard_map(tick, mesh=mesh, in_specs=specs, out_specs=(specs[1], P(DATA)))
+    shardings = _named(specs, mesh)
     return jax.jit(
         per_device,
-        in_shardings=(rep, slots, rep, slots),
-        out_shardings=(slots, slots),
+        in_shardings=shardings,
+        out_shardings=(shardings[1], shardings[3]),
         donate_argnums=(1,),
     )
 
@@ -158,3 +310,38 @@ def make_tick(cfg: ModelConfig, serve: ServeConfig, mesh: Mesh) -> Callable:
 def collectives(hlo_text: str) -> dict[str, int]:
     """Cross-device ops in an HLO module's text (``compiled.as_text()``), by opcode."""
     return dict(collections.Counter(m.group(1) for m in _OPCODE.finditer(hlo_text)))
+
+
+def all_reduce_groups(hlo_text: str) -> dict[frozenset[tuple[int, ...]], int]:
+    """The all-reduces of an HLO module's text, counted by their device groups.
+
+    A group is a tuple of partition ids (positions in the mesh's ``devices.flat``; one process,
+    one replica); a combined (variadic) all-reduce counts once.
+    """
+    found: collections.Counter = collections.Counter()
+    for line in hlo_text.splitlines():
+        ops = [m.group(1) for m in _OPCODE.finditer(line)]
+        if "all-reduce" not in ops:
+            continue
+        m = _GROUPS.search(line)
+        if m is None:
+            raise ValueError(f"an all-reduce without replica_groups: {line.strip()[:200]}")
+        if m.group("listed") is not None:
+            groups = re.findall(r"\{([\d,]*)\}", m.group("listed"))
+            ids = [tuple(int(i) for i in g.split(",") if i) for g in groups]
+        else:
+            shape = [int(i) for i in m.group("shape").split(",")]
+            dims = [int(i) for i in m.group("dims").split(",")]
+            perm = [int(i) for i in m.group("perm").split(",")] if m.group("perm") else None
+            grid = np.arange(int(np.prod(dims))).reshape(dims)
+            grid = grid if perm is None else grid.transpose(perm)
+            ids = [tuple(int(i) for i in row) for row in grid.reshape(shape)]
+        found[frozenset(ids)] += 1
+    return dict(found)
+
+
+def model_groups(mesh: Mesh) -> frozenset[tuple[int, ...]]:
+    """The ``model`` groups of a ``(data, model)`` mesh as partition ids (``all_reduce_groups``)."""
+    return frozenset(
+        tuple(int(i) for i in row) for row in np.arange(mesh.size).reshape(mesh.devices.shape)
+    )

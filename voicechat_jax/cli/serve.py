@@ -15,8 +15,11 @@ a WebSocket at ``/v1/realtime`` in the OpenAI Realtime API's events, ``/healthz`
   voicechat-serve --listen=0.0.0.0:8765 --slots=8
 
 With ``--devices=N`` the slots split over the first N local devices (``voicechat_jax.mesh``: each
-device steps its own ``slots / N``, no collective); the dispatch loop only. More than one host:
-one server per host (or per GPU) behind a router, docs/fleet.md.
+device steps its own ``slots / N``, no collective); the dispatch loop only. With
+``--model_parallel=M`` as well, the devices form N / M groups of M: the slots split over the
+groups, and within a group the LLM's weights and state split over its M devices (tensor
+parallelism: one all-reduce per LLM layer; the rest of the model runs on each of the M). More
+than one host: one server per host (or per GPU) behind a router, docs/fleet.md.
 
 Flags are checked before anything is built; a bad one is refused in one line. SIGTERM or SIGINT
 drains the server (no new session, the beat in flight finished, every live session ended with a
@@ -95,6 +98,13 @@ flags.DEFINE_integer(
     "Local devices to split the slots over (a data mesh: each device steps slots / devices of "
     "them; the dispatch loop only).",
 )
+flags.DEFINE_integer(
+    "model_parallel",
+    1,
+    "Devices per model group (with --devices): the LLM's weights and state split over each "
+    "group's devices (tensor parallelism); the slots split over the --devices / "
+    "--model_parallel groups.",
+)
 flags.DEFINE_enum(
     "speech_sampling", "faithful", ["faithful", "deterministic"], "Speech decoder sampler."
 )
@@ -163,6 +173,7 @@ flags.DEFINE_bool("record_calls", False, "With --listen: write each call's files
 
 flags.register_validator("slots", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("devices", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("model_parallel", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("sessions", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("seconds", lambda v: v > 0, "must be > 0")
 flags.register_validator("frames_per_tick", lambda v: v >= 1, "must be >= 1")
@@ -199,15 +210,22 @@ def _check_deadline(values: dict) -> bool:
     return True
 
 
-@flags.multi_flags_validator(["devices", "slots", "loop"])
+@flags.multi_flags_validator(["devices", "slots", "loop", "model_parallel"])
 def _check_devices(values: dict) -> bool:
-    n, slots, loop = values["devices"], values["slots"], values["loop"]
+    n, slots, loop, m = values["devices"], values["slots"], values["loop"], values["model_parallel"]
     if n > 1 and loop == "resident":
         raise flags.ValidationError(
             "--devices > 1 needs --loop=dispatch (the resident loop serves one device)"
         )
-    if n >= 1 and slots % n:
+    if n >= 1 and m >= 1 and n % m:
+        raise flags.ValidationError(f"--model_parallel={m} does not divide --devices={n}")
+    if m == 1 and n >= 1 and slots % n:
         raise flags.ValidationError(f"--slots={slots} does not split evenly over --devices={n}")
+    if m > 1 and n >= m and slots % (n // m):
+        raise flags.ValidationError(
+            f"--slots={slots} does not split evenly over the {n // m} groups of "
+            f"--model_parallel={m} devices"
+        )
     return True
 
 
@@ -362,6 +380,7 @@ def options_from_flags() -> runner.RunOptions:
         loop=FLAGS.loop,
         clock=FLAGS.clock,
         devices=FLAGS.devices,
+        model_parallel=FLAGS.model_parallel,
         churn=FLAGS.churn,
         seed=FLAGS.seed,
         warmup_ticks=FLAGS.warmup_ticks,
@@ -389,6 +408,10 @@ def main(argv: list[str]) -> None:
             f"{jax.default_backend()} device(s)",
             EXIT_USAGE,
         )
+    try:
+        runner.check_model_parallel(options)  # the LLM must split over the model groups
+    except ValueError as e:
+        _fail(f"--model_parallel={options.model_parallel}: {e}", EXIT_USAGE)
     logging.info("serving with %s", options)
     stop = threading.Event()
     signals = _Signals(stop, FLAGS.drain_timeout_s)

@@ -19,7 +19,7 @@ import threading
 import jax
 import numpy as np
 from absl import logging
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from voicechat_jax import config as config_lib
 from voicechat_jax import mesh as mesh_lib
@@ -53,6 +53,7 @@ class RunOptions:
     loop: str = "dispatch"
     clock: str = "realtime"
     devices: int = 1  # local devices the slots split over (``mesh.make_mesh``; dispatch loop only)
+    model_parallel: int = 1  # devices per model group: the LLM tensor-parallel over them
     churn: bool = False
     seed: int = 0
     warmup_ticks: int = 3
@@ -130,18 +131,45 @@ def plans_for(
 
 
 def make_mesh(options: RunOptions) -> Mesh | None:
-    """The ``data`` mesh over the first ``options.devices`` local devices; None for one device.
+    """The mesh over the first ``options.devices`` local devices; None for one device.
 
-    Raises ValueError for a resident loop on a mesh, slots that do not split evenly, or more
-    devices than this process has.
+    A 1-D ``data`` mesh, or with ``model_parallel > 1`` the ``(data, model)`` mesh whose
+    ``model`` groups split the LLM (``mesh.make_mesh``). Raises ValueError for a resident loop on
+    a mesh, slots that do not split evenly over ``data``, a ``model_parallel`` that does not
+    divide the devices, or more devices than this process has.
     """
+    m = options.model_parallel
     if options.devices == 1:
+        if m != 1:
+            raise ValueError(f"model_parallel={m} needs as many devices at least (devices=1)")
         return None
     if options.loop != "dispatch":
         raise ValueError("a mesh (devices > 1) is served by the dispatch loop only")
-    mesh = mesh_lib.make_mesh(options.devices)
+    mesh = mesh_lib.make_mesh(options.devices, model_parallel=m if m > 1 else None)
     mesh_lib.check_slots(options.serve.slots, mesh)
     return mesh
+
+
+def check_model_parallel(options: RunOptions) -> None:
+    """Raises ValueError (one line) when the LLM cannot split over ``options.model_parallel``
+    devices (``mesh.local_config``), before anything is built: the config is the preset's, or
+    the checkpoint's own ``model_config.json`` (one that cannot be read is left to the restore
+    to report)."""
+    if options.model_parallel == 1:
+        return
+    if options.checkpoint:
+        from voicechat_jax import checkpoint as ckpt
+
+        try:
+            tree = ckpt.read_json(options.checkpoint, ckpt.MODEL_CONFIG)
+            cfg = ckpt.config_from_json(tree)
+        except (ckpt.CheckpointError, TypeError, ValueError):
+            return
+    else:
+        cfg = config_lib.PRESETS[options.model]()
+    groups = max(options.devices // options.model_parallel, 1)
+    axes = (groups, options.model_parallel)
+    mesh_lib.local_config(cfg, options.serve, AbstractMesh(axes, (mesh_lib.DATA, mesh_lib.MODEL)))
 
 
 def build(options: RunOptions, mesh: Mesh | None = None):
