@@ -224,6 +224,7 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
     compiles = step_lib.CompileCounter("tick")
     with compiles:
         engine, scheduler = build_engine(options, params, cfg, serve, mesh)
+        del params  # the engine holds them as placed (split over a model axis: the whole copy goes)
         # Line-buffered: each tick's line reaches the file as it is recorded (by the writer thread).
         with open(os.path.join(options.output_dir, "metrics.jsonl"), "w", buffering=1) as sink:
             server = Server(
