@@ -154,6 +154,11 @@ class BucketEngine(Engine):
     def _fresh_state(self) -> state_lib.SessionState:
         return state_lib.from_template(self.template, self.bucket)
 
+    def warm(self) -> float:
+        """Not done for buckets (``Engine.warm`` runs one tick on every slot): each bucket's tick
+        is first executed while serving, and its first beat may carry one-time costs."""
+        return 0.0
+
     def reset(self) -> None:
         """Every slot back to the fresh template in the smallest bucket (compiled ticks kept)."""
         self.state = None

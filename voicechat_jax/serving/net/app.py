@@ -9,13 +9,14 @@ application on its own thread and event loop:
   close code (1013: try again later; 1001: going away). Admitted, its audio goes to the hub as it
   arrives (cut into 80 ms frames, resampled to 16 kHz); its output is drained from the session's
   bounded ``OutputStream`` and sent one 80 ms frame at a time, paced within each beat.
-- ``GET /healthz``: the process answers. ``GET /readyz``: 200 once the tick is compiled and while
-  the server admits sessions, else 503 with the reason. ``GET /capacity``: JSON ``slots``,
-  ``free``, ``live``, ``draining``, ``ready`` (what a router admits by). ``GET /metrics``:
-  Prometheus text (``prometheus_client``): the server's report (``metrics.SummaryCollector``:
-  beat latency summary and histogram, misses, skipped ticks, underruns, session events including
-  refusals) and this front's gauges and counters (live sessions, free slots, connections, protocol
-  errors, dropped output). ``GET /``: the browser page (``web/``).
+- ``GET /healthz``: the process answers. ``GET /readyz``: 200 once the tick is compiled and its
+  warm-up beats are served, and while the server admits sessions, else 503 with the reason.
+  ``GET /capacity``: JSON ``slots``, ``free``, ``live``, ``draining``, ``ready`` (what a router
+  admits by). ``GET /metrics``: Prometheus text (``prometheus_client``): the server's report
+  (``metrics.SummaryCollector``: beat latency summary and histogram, misses, skipped ticks,
+  underruns, session events including refusals) and this front's gauges and counters (live
+  sessions, free slots, connections, protocol errors, dropped output). ``GET /``: the browser
+  page (``web/``).
 
 Session lifetime. A call ends when the server ends it (context cap, shutdown drain, failed input:
 the stream's end, after its last beat), when the client closes or vanishes (the read side ends; the
@@ -214,13 +215,15 @@ class NetFront:
     # ---- state -------------------------------------------------------------------------------
 
     def readiness(self) -> tuple[bool, str]:
-        """(ready, why not): compiled, admitting, not draining."""
+        """(ready, why not): compiled, warmed up, admitting, not draining."""
         if self.server.stopping:
             return False, "draining"
         if self.server.hub.closed:
             return False, "stopped"
         if self.server.engine.compile_s is None:  # set once the tick (or loop) is compiled
             return False, "compiling"
+        if not self.server.warmed_up:  # the first beats' one-time costs not paid yet
+            return False, "warming up"
         return True, "ready"
 
     def free_slots(self) -> int:
