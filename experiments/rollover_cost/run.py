@@ -36,7 +36,9 @@ flags.DEFINE_enum("precision", "reference", ["reference", "fp32"], "Dtype policy
 flags.DEFINE_enum(
     "ssm_kernel", "xla", [m.value for m in config_lib.SSMKernel], "Mamba-2 decode update."
 )
-flags.DEFINE_enum("attention", "xla", ["xla", "cudnn", "pallas"], "LLM decode attention.")
+flags.DEFINE_enum(
+    "attention", "xla", [m.value for m in config_lib.AttentionImpl], "Decode attention (both)."
+)
 flags.DEFINE_string("out", None, "JSON-lines output file.")
 
 

@@ -104,9 +104,9 @@ def listen_frame(
     """One LLM frame: input sum, Nano step, greedy heads (``DuplexSTTStreamingInference``).
 
     ``run`` [B] bool masks the state update (``nano.step``); ``ssm_kernel`` ('xla' | 'pallas' |
-    'fused'), ``attention`` ('xla' | 'cudnn' | 'pallas') and ``projection`` ('xla' | 'pallas'),
-    all static, pick the Mamba step update, the attention layers' implementation and the MLP and
-    Mamba projections'.
+    'fused'), ``attention`` ('xla' | 'cudnn' | 'pallas' | 'pallas_mha') and ``projection``
+    ('xla' | 'pallas'), all static, pick the Mamba step update, the attention layers'
+    implementation and the MLP and Mamba projections'.
     """
     e = nano.input_embedding(params.llm, text_prev, func_prev, audio_proj, cfg=cfg.llm)
     llm_state, h = nano.step(
@@ -161,7 +161,7 @@ def advance(
         bit-identical: each update masks itself where it happens (no select over the whole
         state), so under ``jit`` with the state donated the state is updated in place. Their
         outputs are meaningless.
-      attention: the LLM's decode-step attention, 'xla' | 'cudnn' | 'pallas'
+      attention: the LLM's decode-step attention, 'xla' | 'cudnn' | 'pallas' | 'pallas_mha'
         (``ServeConfig.attention``, ``model.attention``).
       tts_attention: the speech decoder's, the same choices; None: as ``attention``
         (``ServeConfig.tts_attention``).
