@@ -100,13 +100,16 @@ def test_serving_loop_runs_under_its_gc_policy(engine, tmp_path):
     assert all(enabled is False and frozen > 0 for enabled, frozen in seen)
     summary = server.metrics.summary()
     assert summary["gc"]["automatic"] == [0, 0, 0]
-    assert sum(summary["gc"]["policy"]) > 0  # the garbage was collected, by the policy
+    # The garbage was due every beat: the policy collected it in the slack, or, on a machine too
+    # loaded to leave a beat any slack, deferred it (never collecting outside the slack).
+    collected = sum(summary["gc"]["policy"])
+    assert collected > 0 or server.gc.deferred > 0, summary["gc"]
     # Every collection during the run (all the policy's: none was automatic) started after the
     # previous beat's output was on the host and before the next beat began.
     ticks = probe.ticks()
     starts = sorted((r["start"], r["readable"]) for r in ticks.values())
     during = [p for p in pauses if starts[0][0] < p.start < starts[-1][0]]
-    assert during
+    assert during or not collected
     for p in during:
         before = [(s, r) for s, r in starts if s <= p.start]
         assert before[-1][1] is None or before[-1][1] <= p.start, p
