@@ -211,21 +211,16 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
 
 def main(argv):
     del argv
-    engine_rows: list[dict] = []
-    sim_rows: list[dict] = []
-    if "engine" in FLAGS.parts:
-        engine_part(engine_rows)
-        er.write_rows(FLAGS.out, engine_rows)
-    if "sim" in FLAGS.parts:
-        sim_rows = sim_part()
-        if os.path.exists(FLAGS.sim_out):
-            os.remove(FLAGS.sim_out)
-        er.write_rows(FLAGS.sim_out, sim_rows)
-    if FLAGS.plot:
-        sr = sim_rows or (er.read_rows(FLAGS.sim_out) if os.path.exists(FLAGS.sim_out) else [])
-        en = engine_rows or (er.read_rows(FLAGS.out) if os.path.exists(FLAGS.out) else [])
-        plot(sr, en, FLAGS.plot)
-    print_tables(sim_rows, engine_rows)
+    er.run_parts(
+        FLAGS.parts,
+        out=FLAGS.out,
+        sim_out=FLAGS.sim_out,
+        plot_path=FLAGS.plot,
+        engine_part=engine_part,
+        sim_part=sim_part,
+        plot=plot,
+        print_tables=print_tables,
+    )
 
 
 if __name__ == "__main__":

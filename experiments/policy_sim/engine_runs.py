@@ -202,4 +202,35 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def run_parts(
+    parts: Sequence[str],
+    *,
+    out: str | None,
+    sim_out: str,
+    plot_path: str | None,
+    engine_part: Callable[[list[dict]], None],
+    sim_part: Callable[[], list[dict]],
+    plot: Callable[[list[dict], list[dict], str], None],
+    print_tables: Callable[[list[dict], list[dict]], None],
+) -> None:
+    """The scheduling experiments' ``main``: the real-engine part (rows appended to ``out``), the
+    simulator part (``sim_out`` rewritten), the plot from this run's rows or else the files', and
+    the tables of this run's rows."""
+    engine_rows: list[dict] = []
+    sim_rows: list[dict] = []
+    if "engine" in parts:
+        engine_part(engine_rows)
+        write_rows(out, engine_rows)
+    if "sim" in parts:
+        sim_rows = sim_part()
+        if os.path.exists(sim_out):
+            os.remove(sim_out)
+        write_rows(sim_out, sim_rows)
+    if plot_path:
+        sr = sim_rows or (read_rows(sim_out) if os.path.exists(sim_out) else [])
+        en = engine_rows or (read_rows(out) if out and os.path.exists(out) else [])
+        plot(sr, en, plot_path)
+    print_tables(sim_rows, engine_rows)
+
+
 H200_PROFILE = _REPO / "experiments/beat_profile/results/h200_voicechat_11b.jsonl"
