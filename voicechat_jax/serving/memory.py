@@ -297,8 +297,9 @@ class RolloverPolicy:
         if not self.host_rolls:
             return []
         due = sorted((s for s in sessions if s[1] >= self.soft_frames), key=lambda s: -s[1])
-        hard = [(b, "hard") for b, c, _ in due if c >= self.hard_frames]
-        pause = [(b, "pause") for b, c, q in due if c < self.hard_frames and q >= self.pause_frames]
+        reasons = [(b, self.decide(c, q)) for b, c, q in due]  # most context first, both lists
+        hard = [(b, r) for b, r in reasons if r == "hard"]
+        pause = [(b, r) for b, r in reasons if r == "pause"]
         chosen = (hard + pause)[: self.max_per_beat]
         taken = {b for b, _ in chosen}
         rest = [(b, c) for b, c, _ in due if b not in taken]
