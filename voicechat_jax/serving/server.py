@@ -527,8 +527,9 @@ class Server:
                     lambda: self._picked_through >= last,
                     timeout=max(0.0, start - _now() - self.gc.margin_s),
                 )
-        if on_host:
-            self.gc.in_slack(start - _now())
+        # A beat whose output came back too late to leave any slack offers none: a due collection
+        # is deferred (and counted), never run over the next beat.
+        self.gc.in_slack(start - _now() if on_host else 0.0)
         return self.clock.wait_for_tick(k)
 
     def _skipped(self, last: int | None, k: int) -> None:
