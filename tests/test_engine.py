@@ -86,7 +86,7 @@ def test_reused_slot_equals_fresh_server(engine):
 
 
 def test_churn_every_tick_compiles_once(params):
-    """Sessions join and leave on every tick at full load; the tick compiles exactly once."""
+    """Sessions join and leave on every tick at full load; each program compiles exactly once."""
     events, recording = [], [True]
 
     def listener(event, duration, **kw):
@@ -104,7 +104,8 @@ def test_churn_every_tick_compiles_once(params):
         server.run(plans, 12)
     recording[0] = False
     assert compiles.count == 1
-    assert len(events) == 1
+    assert engine.staged
+    assert len(events) == 3  # the tick and its staged admission and roll-over programs, once each
     summary = server.metrics.summary()
     assert summary["events"]["admitted"] == 10
     assert summary["events"].get("refused", 0) == 0
@@ -250,6 +251,12 @@ def test_hold_full_keeps_every_cache_full_and_the_session_live(params):
     # Slot 0 served: full. Slot 1 never joined: its state is the template's, untouched.
     assert np.asarray(model.llm.length).tolist() == [model.llm.k[0].shape[2], *fresh.llm.length]
     assert np.asarray(model.tts.pos).tolist() == [model.tts.k[0].shape[3], *fresh.tts.pos]
+    # The staged engine's host mirror followed the held fills.
+    assert engine.staged
+    device = step_lib.SlotMirror.read(engine.state, engine.template)
+    np.testing.assert_array_equal(engine.mirror.llm_length, device.llm_length)
+    np.testing.assert_array_equal(engine.mirror.tts_pos, device.tts_pos)
+    np.testing.assert_array_equal(engine.mirror.active, device.active)
 
 
 def _write_wav(path, x, rate=16000, channels=1):

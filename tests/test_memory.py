@@ -43,6 +43,9 @@ def _check_in_place(compiled, state) -> None:
 def test_dispatch_tick_is_in_place(engine):
     assert _state_bytes(engine.state) > 64 * 2**20  # the cap makes the state large
     _check_in_place(engine.compile_tick(), engine.state)
+    # The staged admission and roll-over programs update the state where it lies too.
+    _check_in_place(engine.stages.admit, engine.state)
+    _check_in_place(engine.stages.reseed, engine.state)
 
 
 def test_resident_loop_is_in_place(engine):

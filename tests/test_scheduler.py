@@ -170,7 +170,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def engine(params):
-    engine = Engine(params, CFG, SERVE)
+    engine = Engine(params, CFG, SERVE, staged=False)  # its tick is shared with the buckets
     engine.compile_tick()
     return engine
 

@@ -109,9 +109,9 @@ class BucketEngine(Engine):
       buckets: slot counts; the largest must be ``serve.slots`` (the host's slot table). The state
         starts in the smallest.
       ticks: ticks already compiled for some of the buckets, by slot count: the
-        ``compile_tick()`` of an ``Engine`` with this ``cfg`` and ``serve`` (but for ``slots``),
-        and this ``params`` and ``template``: one compile saved per bucket (a fixed
-        engine's tick is the largest bucket's).
+        ``compile_tick()`` of an ``Engine(..., staged=False)`` (whose tick admits and rolls over
+        itself) with this ``cfg``, ``serve`` (but for ``slots``), ``params`` and ``template``:
+        one compile saved per bucket (a fixed engine's tick is the largest bucket's).
       Others as ``Engine`` (no mesh: the slot axis is not split).
 
     Raises:
@@ -135,8 +135,9 @@ class BucketEngine(Engine):
         self.buckets = b
         self.bucket = b[0]  # the state's slot count now
         super().__init__(
-            params, cfg, serve, template=template, memory_limit_bytes=memory_limit_bytes
-        )
+            params, cfg, serve, template=template, memory_limit_bytes=memory_limit_bytes,
+            staged=False,
+        )  # fmt: skip
         if len(b) > 1:
             peak = plan_memory(self.template, b[-1] + b[-2], limit_bytes=memory_limit_bytes)
             if not peak.fits:

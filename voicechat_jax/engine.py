@@ -127,6 +127,7 @@ class Engine:
         template: voicechat.FrameState | None = None,
         memory_limit_bytes: int | None = None,
         mesh: Mesh | None = None,
+        staged: bool | None = None,
     ):
         """Builds the template (unless given), checks the memory plan, allocates the state.
 
@@ -140,12 +141,21 @@ class Engine:
             A ``(data, model)`` mesh also splits the LLM's weights and state over ``model``
             (``mesh.put_params``; a given ``template`` is in the one-device layout).
             The dispatch loop only (``compile_resident`` refuses a mesh). Default: one device.
+          staged: the dispatch loop runs each beat's admissions and roll-overs as their own
+            one-slot programs, dispatched only for the slots that need them (chosen on the host
+            by a ``step.SlotMirror``), before a tick with no loop whose trip count the device
+            decides (``step.make_staged``). On a GPU the tick's call then returns without waiting
+            for the device, so the host's dispatch stage measures the host alone. Same outputs
+            bit for bit. Default: on one device; a mesh runs the whole tick as one program.
 
         Raises:
           MemoryPlanError: the slots do not fit; the message names the bytes needed and the
             largest slot count that fits.
         """
         self.mesh = mesh
+        self.staged = mesh is None if staged is None else staged
+        if self.staged and mesh is not None:
+            raise ValueError("a mesh runs the whole tick as one program: staged=False")
         if mesh is not None:
             mesh_lib.check_slots(serve.slots, mesh)
             params = mesh_lib.put_replicated(params, mesh)
@@ -174,15 +184,30 @@ class Engine:
             raise MemoryPlanError(f"the state does not fit: {self.memory.describe()}")
         logging.info("memory plan: %s", self.memory.describe())
         self.state = self._fresh_state()
+        self._mirror = step_lib.SlotMirror.fresh(self.template, serve.slots)
         self.samples_per_beat = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
         self._tick = None
+        self._staged: step_lib.StagedPrograms | None = None
         self._warmed = False
         self.compile_s: float | None = None
+
+    @property
+    def state(self) -> state_lib.SessionState:
+        """Every slot's state on the device; replaced by every beat (the old one is donated)."""
+        return self._state
+
+    @state.setter
+    def state(self, state: state_lib.SessionState | None) -> None:
+        # A state set from outside (a benchmark swapping states, the resident loop's result):
+        # the host's mirror of it is read back from the device at the next staged beat.
+        self._state = state
+        self._mirror = None
 
     def reset(self) -> None:
         """Every slot back to the fresh template, none live (the compiled tick is kept)."""
         self.state = None  # drop the old state first: two states need not fit side by side
         self.state = self._fresh_state()
+        self._mirror = step_lib.SlotMirror.fresh(self.template, self.serve.slots)
 
     def _fresh_state(self) -> state_lib.SessionState:
         if self.mesh is None:
@@ -195,19 +220,47 @@ class Engine:
         )
 
     def compile_tick(self):
-        """Compiles the dispatch tick once; returns the executable."""
+        """Compiles the dispatch tick once (staged: with its admission and roll-over programs);
+        returns the tick's executable."""
         if self._tick is None:
             t = time.perf_counter()
-            if self.mesh is None:
-                jitted = step_lib.make_tick(self.cfg, self.serve)
+            args = (self.params, self.state, self.template, self.empty_beat())
+            if self.staged:
+                staged = step_lib.make_staged(self.cfg, self.serve)
+                slot = jax.ShapeDtypeStruct((), np.int32)
+                U = self.serve.capsule_tokens
+                capsule = jax.ShapeDtypeStruct((U,), np.int32)
+                self._staged = step_lib.StagedPrograms(
+                    admit=staged.admit.lower(self.state, self.template, slot).compile(),
+                    reseed=staged.reseed.lower(
+                        self.params, self.state, self.template, slot, capsule, slot
+                    ).compile(),
+                    tick=staged.tick.lower(*args).compile(),
+                )
+                self._tick = self._staged.tick
+                _log_compiled("admission", self._staged.admit, self.memory)
+                _log_compiled("roll-over", self._staged.reseed, self.memory)
+            elif self.mesh is None:
+                self._tick = step_lib.make_tick(self.cfg, self.serve).lower(*args).compile()
             else:
                 jitted = mesh_lib.make_tick(self.cfg, self.serve, self.mesh)
-            self._tick = jitted.lower(
-                self.params, self.state, self.template, self.empty_beat()
-            ).compile()
+                self._tick = jitted.lower(*args).compile()
             self.compile_s = time.perf_counter() - t
             _log_compiled("tick", self._tick, self.memory)
         return self._tick
+
+    @property
+    def mirror(self) -> step_lib.SlotMirror | None:
+        """The host's copy of every slot's live flag and fills (staged engines; None while it is
+        to be read back from the device)."""
+        return self._mirror
+
+    @property
+    def stages(self) -> step_lib.StagedPrograms | None:
+        """The compiled admission, roll-over and tick programs of a staged engine (compiled by
+        ``compile_tick``); None otherwise."""
+        self.compile_tick()
+        return self._staged
 
     def warm(self) -> float:
         """Runs the compiled dispatch tick once down every path, then ``reset``; returns seconds.
@@ -233,10 +286,30 @@ class Engine:
         return time.perf_counter() - t
 
     def tick(self, beat: state_lib.BeatInput) -> state_lib.BeatOutput:
-        """Dispatches one beat (asynchronously); the state is donated and replaced."""
+        """Dispatches one beat (asynchronously); the state is donated and replaced.
+
+        Staged: first one admission program per admitted slot and one roll-over program per slot
+        rolled over (the host's requests, and the at-cap fallback that the mirror sees), then
+        the tick told which slots were rolled over.
+        """
+        tick = self.compile_tick()
         if self.mesh is not None:
             beat = mesh_lib.put_beat(beat, self.mesh)  # each device gets its slots' rows
-        self.state, out = self.compile_tick()(self.params, self.state, self.template, beat)
+        if not self.staged:
+            self._state, out = tick(self.params, self._state, self.template, beat)
+            return out
+        if self._mirror is None:
+            self._mirror = step_lib.SlotMirror.read(self._state, self.template)
+        admitted, rolled, capsule_len = self._mirror.stage(beat, self.serve)
+        programs, state = self._staged, self._state
+        for b in admitted:
+            state = programs.admit(state, self.template, np.int32(b))
+        for b in np.flatnonzero(rolled):
+            state = programs.reseed(
+                self.params, state, self.template, np.int32(b), beat.capsule[b], capsule_len[b]
+            )
+        beat = beat.replace(reseed=rolled)
+        self._state, out = tick(self.params, state, self.template, beat)
         return out
 
     def compile_resident(self, next_beat, deliver):

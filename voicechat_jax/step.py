@@ -11,10 +11,20 @@ produce the same outputs bit for bit:
   the host decides when to stop.
 - dispatch (``make_tick``): one donated jitted call per beat; the host reads beat k's output while
   beat k+1 runs (``serving.server``).
+
+On one device the dispatch loop stages the tick (``make_staged``, ``Engine(staged=True)``): the
+beat's admissions and roll-overs, chosen on the host by ``SlotMirror``, run first as one-slot
+programs (``admit_slot``, ``reseed_slot``), and the tick proper (``tick(..., staged=True)``) has
+only loops whose trip count the compiler knows. On a GPU, XLA runs a loop of unknown trip count
+by copying its predicate to the host every iteration, so a call with one returns only when the
+device has reached the loop's end: the host's dispatch stage would then hold device time (24 ms
+of a plain beat at 16 sessions on an H200, the whole roll-over work on a roll-over beat). The
+resident loop and a mesh keep the one-program tick, with the same outputs bit for bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -66,10 +76,7 @@ def insert(model: voicechat.FrameState, template: voicechat.FrameState, mask: ja
     slots = jnp.nonzero(mask, size=B, fill_value=0)[0]  # the masked slots first
 
     def one(i, m):
-        def put(x, t):
-            return jax.lax.dynamic_update_slice_in_dim(x, t.astype(x.dtype), slots[i], axis=0)
-
-        return jax.tree_util.tree_map(put, m, template)
+        return _put_slot(m, template, slots[i])
 
     return jax.lax.fori_loop(0, jnp.sum(mask, dtype=jnp.int32), one, model)
 
@@ -110,26 +117,55 @@ def reseed(
       capsule: [B, U] int32 token ids (U static, e.g. 96), read up to ``capsule_len``.
       capsule_len: [B] int32 in [0, U].
     """
-    B, U = capsule.shape
+    B = mask.shape[0]
     slots = jnp.nonzero(mask, size=B, fill_value=0)[0]
-    lc = cfg.llm
-    pads = jnp.full((1, U), PAD_ID, jnp.int32)
 
     def one(i, m):
         b = slots[i]
-        cur = _slot(m, b)
-        llm = template.llm
         ids = jax.lax.dynamic_slice_in_dim(capsule, b, 1, axis=0)  # [1, U]
-        prompt = nano.embed(params.llm, ids).astype(jnp.float32)
-        e = nano.input_embedding(params.llm, pads, pads, prompt, cfg=lc)
         n = jax.lax.dynamic_slice_in_dim(capsule_len, b, 1, axis=0)
-        llm, _ = nano.prefill(params.llm, llm, e, n, cfg=lc)
-        tts = template.tts.replace(
-            prev_codes=cur.tts.prev_codes, frame=jnp.ones_like(cur.tts.frame)
-        )
-        return _put_slot(m, cur.replace(llm=llm, tts=tts), b)
+        return _reseed_one(params, m, template, b, ids, n, cfg=cfg)
 
     return jax.lax.fori_loop(0, jnp.sum(mask, dtype=jnp.int32), one, model)
+
+
+def _reseed_one(params, model, template, b, ids, n, *, cfg: ModelConfig) -> voicechat.FrameState:
+    """Slot ``b`` of ``model`` rolled over with the capsule ``ids[:, :n]`` ([1, U], [1]); see
+    ``reseed``."""
+    lc = cfg.llm
+    pads = jnp.full(ids.shape, PAD_ID, jnp.int32)
+    cur = _slot(model, b)
+    prompt = nano.embed(params.llm, ids).astype(jnp.float32)
+    e = nano.input_embedding(params.llm, pads, pads, prompt, cfg=lc)
+    llm, _ = nano.prefill(params.llm, template.llm, e, n, cfg=lc)
+    tts = template.tts.replace(prev_codes=cur.tts.prev_codes, frame=jnp.ones_like(cur.tts.frame))
+    return _put_slot(model, cur.replace(llm=llm, tts=tts), b)
+
+
+def admit_slot(
+    state: SessionState, template: voicechat.FrameState, slot: jax.Array
+) -> SessionState:
+    """Slot ``slot`` (an int32 scalar) set to the fresh-session template, in place: ``insert``
+    for one slot, as its own program (``make_staged``). Its live flag and key are the tick's."""
+    return state.replace(model=_put_slot(state.model, template, slot))
+
+
+def reseed_slot(
+    params,
+    state: SessionState,
+    template: voicechat.FrameState,
+    slot: jax.Array,
+    capsule: jax.Array,
+    capsule_len: jax.Array,
+    *,
+    cfg: ModelConfig,
+) -> SessionState:
+    """Slot ``slot`` rolled over with ``capsule[:capsule_len]`` ([U] int32, an int32 scalar), in
+    place: ``reseed`` for one slot, as its own program (``make_staged``)."""
+    model = _reseed_one(
+        params, state.model, template, slot, capsule[None], capsule_len[None], cfg=cfg
+    )
+    return state.replace(model=model)
 
 
 def hold_full(model: voicechat.FrameState, fpt: int, mask: jax.Array) -> voicechat.FrameState:
@@ -158,6 +194,7 @@ def tick(
     *,
     cfg: ModelConfig,
     serve: ServeConfig,
+    staged: bool = False,
 ) -> tuple[SessionState, BeatOutput]:
     """Advance every slot by one beat, in place. Donates ``state`` when jitted (``make_tick``).
 
@@ -175,20 +212,29 @@ def tick(
       roll over rolls over with an empty capsule. No select over the whole state: admission
       writes the template into the admitted slots, and every update in ``voicechat.advance``
       masks itself by the slots that run.
+
+      ``staged``: the admissions and roll-overs of the beat already ran as their own programs
+      (``make_staged``: ``admit_slot``, ``reseed_slot``, chosen by the host's ``SlotMirror``,
+      the at-cap fallback included), so this tick has no loop whose trip count the device
+      decides: on a GPU its call returns without waiting for the device. ``beat.reseed`` then
+      says which slots were rolled over.
     """
     fpt = serve.frames_per_tick
     active = (state.active & ~beat.release) | beat.admit
-    model = insert(state.model, template, beat.admit)
     key = jnp.where(beat.admit[:, None], beat.key, state.key)
-
-    at_cap = active & ~has_room(model, fpt)
+    model = state.model
     reseeded = active & beat.reseed
-    capsule_len = jnp.where(reseeded, beat.capsule_len, 0)
-    if serve.at_cap != "end":  # 'rollover', and the host-driven 'reset' / 'memory' as a fallback
-        # A session at the cap that the host did not roll over itself goes on from the system
-        # prompt alone; it keeps its key, its streams and its audio.
-        reseeded = reseeded | at_cap
-    model = reseed(params, model, template, reseeded, beat.capsule, capsule_len, cfg=cfg)
+    if not staged:
+        model = insert(model, template, beat.admit)
+        at_cap = active & ~has_room(model, fpt)
+        capsule_len = jnp.where(reseeded, beat.capsule_len, 0)
+        if serve.at_cap != "end":  # 'rollover'; the host-driven 'reset' / 'memory' as a fallback
+            # A session at the cap that the host did not roll over itself goes on from the system
+            # prompt alone; it keeps its key, its streams and its audio.
+            reseeded = reseeded | at_cap
+        model = reseed(params, model, template, reseeded, beat.capsule, capsule_len, cfg=cfg)
+    # At the cap and not rolled over: the session ends (``at_cap='end'``).
+    at_cap = active & ~has_room(model, fpt) & ~reseeded
     if serve.hold_full:
         model = hold_full(model, fpt, active)
     room = has_room(model, fpt)
@@ -213,7 +259,7 @@ def tick(
         frames=frames,
         ran=ran,
         active=active,
-        at_cap=at_cap & ~reseeded,
+        at_cap=at_cap,
         reseeded=reseeded,
         frame=model.frame,
     )
@@ -225,9 +271,112 @@ def make_tick(cfg: ModelConfig, serve: ServeConfig) -> Callable:
     return jax.jit(_in_scope(tick, cfg=cfg, serve=serve), donate_argnums=(1,))
 
 
-def _in_scope(fn: Callable, **kw) -> Callable:
-    """``fn`` with ``kw`` bound, traced inside ``serve.precision``'s matmul scope."""
-    precision = kw["serve"].precision
+@dataclasses.dataclass(frozen=True)
+class StagedPrograms:
+    """The dispatch loop's programs when admission and roll-over are staged (``Engine``).
+
+    Each donates the state. ``admit(state, template, slot)`` and ``reseed(params, state,
+    template, slot, capsule, capsule_len)`` touch one slot and are dispatched only for the slots
+    that need them, before ``tick(params, state, template, beat)`` (``tick`` with
+    ``staged=True``). None of the three has a loop whose trip count the device decides.
+    """
+
+    admit: Callable
+    reseed: Callable
+    tick: Callable
+
+
+def make_staged(cfg: ModelConfig, serve: ServeConfig) -> StagedPrograms:
+    """The jitted programs of the staged dispatch tick for one server configuration."""
+    return StagedPrograms(
+        admit=jax.jit(admit_slot, donate_argnums=(0,)),
+        reseed=jax.jit(
+            _in_scope(reseed_slot, cfg=cfg, precision=serve.precision), donate_argnums=(1,)
+        ),
+        tick=jax.jit(_in_scope(tick, cfg=cfg, serve=serve, staged=True), donate_argnums=(1,)),
+    )
+
+
+class SlotMirror:
+    """What the host knows of every slot without asking the device: whether it is live, how full
+    its two attention caches are, and the speech decoder's frame count, as ``tick`` leaves them.
+
+    ``stage(beat)`` applies ``tick``'s rules for admission, release, the context cap and
+    roll-over (``at_cap``, ``hold_full``) to these NumPy arrays, so the host can dispatch the
+    admissions and roll-overs of a beat as their own programs and the tick itself needs no loop
+    whose trip count the device decides. Kept by ``Engine`` beside its state (read back from the
+    device when the state was replaced from outside).
+    """
+
+    def __init__(self, active, llm_length, tts_pos, tts_frame, template: voicechat.FrameState):
+        self.active = np.array(active, np.bool_)
+        self.llm_length = np.array(llm_length, np.int32)
+        self.tts_pos = np.array(tts_pos, np.int32)
+        # The speech decoder skips its first frame (frame 0), which stores nothing in its cache.
+        self.tts_frame = np.array(tts_frame, np.int32)
+        self.fresh_llm = int(np.asarray(template.llm.length)[0])
+        self.fresh_tts = int(np.asarray(template.tts.pos)[0])
+        self.fresh_frame = int(np.asarray(template.tts.frame)[0])
+        self.llm_rows = template.llm.k[0].shape[2]
+        self.tts_rows = template.tts.k[0].shape[3]
+
+    @classmethod
+    def fresh(cls, template: voicechat.FrameState, slots: int) -> SlotMirror:
+        """A new engine's slots: none live, every one holding the template."""
+        t = template
+        llm, tts = np.asarray(t.llm.length), np.asarray(t.tts.pos)
+        frame = np.asarray(t.tts.frame)
+        return cls(np.zeros(slots, bool), *(np.repeat(x, slots) for x in (llm, tts, frame)), t)
+
+    @classmethod
+    def read(cls, state: SessionState, template: voicechat.FrameState) -> SlotMirror:
+        """The mirror of ``state`` as it is on the device (waits for it)."""
+        m = state.model
+        arrays = (state.active, m.llm.length, m.tts.pos, m.tts.frame)
+        return cls(*(np.asarray(x) for x in arrays), template)
+
+    def _room(self, fpt: int) -> np.ndarray:
+        return (self.llm_length + fpt <= self.llm_rows) & (self.tts_pos + fpt <= self.tts_rows)
+
+    def stage(
+        self, beat: BeatInput, serve: ServeConfig
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The beat's work before its tick, and the mirror moved past the tick.
+
+        Returns ``(admitted, rolled, capsule_len)``: the slots to admit, the slots to roll over
+        (the host's requests on live slots and, unless ``at_cap='end'``, every live slot at the
+        cap), and each slot's capsule length (0 for a fallback roll-over). ``rolled`` as a mask is
+        the ``reseed`` the staged tick gets.
+        """
+        fpt = serve.frames_per_tick
+        admit, reseed = np.asarray(beat.admit, bool), np.asarray(beat.reseed, bool)
+        active = (self.active & ~np.asarray(beat.release, bool)) | admit
+        self.llm_length[admit] = self.fresh_llm
+        self.tts_pos[admit] = self.fresh_tts
+        self.tts_frame[admit] = self.fresh_frame
+        rolled = active & reseed
+        capsule_len = np.where(rolled, np.asarray(beat.capsule_len, np.int32), 0)
+        if serve.at_cap != "end":
+            rolled |= active & ~self._room(fpt)
+        self.llm_length[rolled] = self.fresh_llm + capsule_len[rolled]
+        self.tts_pos[rolled] = self.fresh_tts
+        self.tts_frame[rolled] = 1  # a rolled-over voice goes on: no skipped frame
+        if serve.hold_full:
+            self.llm_length[active] = self.llm_rows - fpt
+            self.tts_pos[active] = self.tts_rows - fpt
+        active &= self._room(fpt)
+        ran = active & np.asarray(beat.run, bool)
+        self.llm_length += fpt * ran
+        self.tts_pos += ran * (fpt - (self.tts_frame == 0))  # frame 0 stores nothing
+        self.tts_frame += fpt * ran
+        self.active = active
+        return np.flatnonzero(admit), rolled, capsule_len
+
+
+def _in_scope(fn: Callable, *, precision=None, **kw) -> Callable:
+    """``fn`` with ``kw`` bound, traced inside ``precision``'s matmul scope (default:
+    ``kw["serve"].precision``)."""
+    precision = kw["serve"].precision if precision is None else precision
 
     @functools.wraps(fn)
     def scoped(*args):

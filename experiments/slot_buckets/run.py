@@ -78,7 +78,7 @@ def engine_part(rows: list[dict]) -> None:
     top = buckets[-1]
     cfg, params = er.build(FLAGS.model)
     serve = er.serve_config(slots=top, context_frames=FLAGS.context_frames)
-    fixed = Engine(params, cfg, serve)
+    fixed = Engine(params, cfg, serve, staged=False)  # its tick is shared with the buckets
     fixed.compile_tick()
     rows.append({**base, "kind": "compile", "engine": "fixed", "programs": 1,
                  "compile_s": fixed.compile_s, "template_s": fixed.template_s})  # fmt: skip

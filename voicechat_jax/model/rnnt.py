@@ -221,23 +221,24 @@ def rnnt_step(
     zero = _zero_state(cfg, B, dt)
     state = _select(state.label == blank, _read(params, zero, zero.label, cfg), state)
 
+    # Each frame runs all ``O`` symbol steps, a slot that has emitted blank masked out of the rest:
+    # the same labels and state as NeMo's loop that stops at the first blank of every slot, and a
+    # loop whose trip count the compiler knows, so that on a GPU the tick's call does not wait
+    # for the device to decide whether to go on (XLA copies a data-dependent predicate to the
+    # host every iteration).
     def frame(state: RNNTState, f_t: jax.Array):  # f_t [B, F]
-        def cond(carry):
-            s, active, _, _ = carry
-            return (s < O) & jnp.any(active)
-
-        def body(carry):
-            s, active, state, tokens = carry
+        def body(s, carry):
+            active, state, tokens = carry
             logits = joint_logits(params, f_t, state.pred)  # [B, V + 1]
             k = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
             emit = active & (k != blank)
             tokens = tokens.at[:, s].set(jnp.where(emit, k, blank))
             state = _select(emit, _read(params, state, k, cfg), state)
-            return s + 1, emit, state, tokens
+            return emit, state, tokens
 
         tokens = jnp.full((B, O), blank, jnp.int32)
         active = jnp.ones((B,), bool)
-        _, _, state, tokens = jax.lax.while_loop(cond, body, (jnp.int32(0), active, state, tokens))
+        _, state, tokens = jax.lax.fori_loop(0, O, body, (active, state, tokens))
         return state, tokens
 
     state, tokens = jax.lax.scan(frame, state, jnp.swapaxes(f, 0, 1))

@@ -1,0 +1,116 @@
+"""The staged dispatch tick (``Engine(staged=True)``, the default on one device).
+
+Admissions and roll-overs run as their own one-slot programs, chosen on the host by
+``step.SlotMirror``, before a tick with no loop whose trip count the device decides. The outputs
+and the state must be those of the one-program tick bit for bit, the mirror must agree with the
+device after every beat, and the compiled programs must have only loops of known trip count.
+"""
+
+from __future__ import annotations
+
+import re
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from voicechat_jax import step as step_lib
+from voicechat_jax.config import ServeConfig, tiny
+from voicechat_jax.engine import Engine
+from voicechat_jax.model import voicechat
+from voicechat_jax.precision import Precision
+
+CFG = tiny()
+PREC = Precision.fp32()
+SPF = 1280
+
+
+@pytest.fixture(scope="module")
+def params():
+    return voicechat.init(jax.random.key(0), CFG, PREC)
+
+
+def _beats(engine: Engine, n: int) -> list:
+    """Joins, a held slot, a roll-over with a capsule, a leave and a re-join, past the cap."""
+    rng = np.random.default_rng(3)
+    beats = []
+    for k in range(n):
+        beat = engine.empty_beat()
+        beat.audio[:] = (0.2 * rng.standard_normal(beat.audio.shape)).astype(np.float32)
+        if k == 0:
+            beat.admit[:2] = True
+            beat.key[:2] = [[1, 2], [3, 4]]
+        if k == 2:
+            beat.reseed[1] = True
+            beat.capsule[1, :3] = [5, 6, 7]
+            beat.capsule_len[1] = 3
+        if k == 3:
+            beat.release[0] = True
+            beat.admit[2] = True
+            beat.key[2] = [5, 6]
+        if k == 5:
+            beat.run[1] = False
+        if k == 7:
+            beat.admit[0] = True
+            beat.key[0] = [7, 8]
+        beats.append(beat)
+    return beats
+
+
+def mirror_agrees(engine: Engine) -> None:
+    """The host's mirror of a staged engine's slots is the device's."""
+    device = step_lib.SlotMirror.read(engine.state, engine.template)
+    mirror = engine.mirror
+    np.testing.assert_array_equal(mirror.active, device.active)
+    np.testing.assert_array_equal(mirror.llm_length, device.llm_length)
+    np.testing.assert_array_equal(mirror.tts_pos, device.tts_pos)
+    np.testing.assert_array_equal(mirror.tts_frame, device.tts_frame)
+
+
+@pytest.mark.parametrize(
+    "at_cap", ["rollover", "end"]
+)  # fmt: skip
+def test_staged_engine_matches_the_one_program_tick(params, at_cap):
+    """``hold_full``'s mirror is checked in ``test_engine``'s hold-full test."""
+    serve = ServeConfig(
+        slots=3, frames_per_tick=2, context_frames=8, precision=PREC, at_cap=at_cap
+    )  # fmt: skip
+    one = Engine(params, CFG, serve, staged=False)
+    staged = Engine(params, CFG, serve, template=one.template)
+    assert staged.staged
+    assert not one.staged
+    reported = {"reseeded": 0, "at_cap": 0}
+    for k, beat in enumerate(_beats(one, 12)):
+        a = jax.device_get(one.tick(beat))
+        b = jax.device_get(staged.tick(beat))
+        chex.assert_trees_all_equal(a, b)
+        mirror_agrees(staged)
+        reported["reseeded"] += int(a.reseeded.sum())
+        reported["at_cap"] += int(a.at_cap.sum())
+        if k == 6:  # a state set from outside: the mirror is read back from the device
+            staged.state = staged.state
+    chex.assert_trees_all_equal(jax.device_get(one.state), jax.device_get(staged.state))
+    # The script reached what it is for: the host's roll-over, and the cap (each mode's way).
+    assert reported["reseeded"] >= (1 if at_cap == "end" else 3)
+    assert reported["at_cap"] > 0 if at_cap == "end" else reported["at_cap"] == 0
+
+
+def _whiles(hlo: str) -> tuple[int, int]:
+    """(while loops, those of known trip count) in a compiled program's HLO text."""
+    lines = [line for line in hlo.splitlines() if re.search(r"\swhile\(", line)]
+    return len(lines), sum("known_trip_count" in line for line in lines)
+
+
+def test_staged_programs_have_no_loop_the_device_decides(params):
+    serve = ServeConfig(slots=2, frames_per_tick=2, context_frames=16, precision=PREC)
+    staged = Engine(params, CFG, serve)
+    stages = staged.stages
+    for name in ("admit", "reseed", "tick"):
+        n, known = _whiles(getattr(stages, name).as_text())
+        assert n == known, (name, n, known)
+    assert _whiles(stages.tick.as_text())[0] > 0  # the frame scan, the RNNT symbol loop
+    # The one-program tick loops over the admitted and rolled-over slots as the device counts.
+    one = Engine(params, CFG, serve, staged=False, template=staged.template)
+    n, known = _whiles(one.compile_tick().as_text())
+    assert known < n
