@@ -200,7 +200,7 @@ def engine_checks(out_dir: str) -> None:
     result: dict = {"devices": len(jax.devices()), "jax": jax.__version__}
     arrays: dict[str, np.ndarray] = {}
     mesh = mesh_lib.make_mesh(DEVICES)
-    params = jax.jit(lambda k: voicechat.init(k, CFG, PREC))(jax.random.key(0))
+    params = voicechat.init_compiled(jax.random.key(0), CFG, PREC)
     one = Engine(params, CFG, SERVE)
     one.compile_tick()
     local = Engine(

@@ -68,16 +68,26 @@ def mirror_agrees(engine: Engine) -> None:
     np.testing.assert_array_equal(mirror.tts_frame, device.tts_frame)
 
 
-@pytest.mark.parametrize(
-    "at_cap", ["rollover", "end"]
-)  # fmt: skip
-def test_staged_engine_matches_the_one_program_tick(params, at_cap):
-    """``hold_full``'s mirror is checked in ``test_engine``'s hold-full test."""
+def _pair(params, at_cap: str) -> tuple[Engine, Engine]:
+    """(one-program engine, staged engine) of one configuration, sharing the template."""
     serve = ServeConfig(
         slots=3, frames_per_tick=2, context_frames=8, precision=PREC, at_cap=at_cap
     )  # fmt: skip
     one = Engine(params, CFG, serve, staged=False)
-    staged = Engine(params, CFG, serve, template=one.template)
+    return one, Engine(params, CFG, serve, template=one.template)
+
+
+@pytest.fixture(scope="module")
+def rollover_pair(params):
+    return _pair(params, "rollover")
+
+
+@pytest.mark.parametrize("at_cap", ["rollover", "end"])
+def test_staged_engine_matches_the_one_program_tick(params, rollover_pair, at_cap):
+    """``hold_full``'s mirror is checked in ``test_engine``'s hold-full test."""
+    one, staged = rollover_pair if at_cap == "rollover" else _pair(params, at_cap)
+    one.reset()
+    staged.reset()
     assert staged.staged
     assert not one.staged
     reported = {"reseeded": 0, "at_cap": 0}
@@ -102,15 +112,13 @@ def _whiles(hlo: str) -> tuple[int, int]:
     return len(lines), sum("known_trip_count" in line for line in lines)
 
 
-def test_staged_programs_have_no_loop_the_device_decides(params):
-    serve = ServeConfig(slots=2, frames_per_tick=2, context_frames=16, precision=PREC)
-    staged = Engine(params, CFG, serve)
+def test_staged_programs_have_no_loop_the_device_decides(rollover_pair):
+    one, staged = rollover_pair
     stages = staged.stages
     for name in ("admit", "reseed", "tick"):
         n, known = _whiles(getattr(stages, name).as_text())
         assert n == known, (name, n, known)
     assert _whiles(stages.tick.as_text())[0] > 0  # the frame scan, the RNNT symbol loop
     # The one-program tick loops over the admitted and rolled-over slots as the device counts.
-    one = Engine(params, CFG, serve, staged=False, template=staged.template)
     n, known = _whiles(one.compile_tick().as_text())
     assert known < n

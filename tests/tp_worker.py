@@ -90,19 +90,6 @@ def cheap_template(key: jax.Array) -> voicechat.FrameState:
     )
 
 
-def random_params(key: jax.Array) -> voicechat.ModelParams:
-    """``voicechat.init``'s weights, one jit per sub-network (half the compile time of one jit
-    of the whole on this host)."""
-    k = jax.random.split(key, 5)
-    return voicechat.ModelParams(
-        encoder=jax.jit(lambda x: conformer.init(x, CFG.encoder, PREC))(k[0]),
-        llm=jax.jit(lambda x: nano.init(x, CFG.llm, PREC))(k[1]),
-        rnnt=jax.jit(lambda x: rnnt.init(x, CFG.rnnt, PREC))(k[2]),
-        tts=jax.jit(lambda x: ear_tts.init(x, CFG, PREC))(k[3]),
-        codec=jax.jit(lambda x: codec.init(x, CFG.codec, PREC))(k[4]),
-    )
-
-
 def beats(engine: Engine) -> list:
     """The scripted NumPy beats (fresh arrays for each engine, the same values)."""
     rng = np.random.default_rng(1)
@@ -182,7 +169,7 @@ def run(out_dir: str) -> None:
     arrays: dict[str, np.ndarray] = {}
     seconds: dict[str, float] = {}
     t = time.perf_counter()
-    params = random_params(jax.random.key(0))
+    params = voicechat.init_compiled(jax.random.key(0), CFG, PREC)
     template = jax.jit(cheap_template)(jax.random.key(7))
     one = Engine(params, CFG, SERVE, template=template)
     one.compile_tick()

@@ -184,7 +184,9 @@ class Engine:
             raise MemoryPlanError(f"the state does not fit: {self.memory.describe()}")
         logging.info("memory plan: %s", self.memory.describe())
         self.state = self._fresh_state()
-        self._mirror = step_lib.SlotMirror.fresh(self.template, serve.slots)
+        self._mirror = (
+            step_lib.SlotMirror.fresh(self.template, serve.slots) if self.staged else None
+        )
         self.samples_per_beat = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
         self._tick = None
         self._staged: step_lib.StagedPrograms | None = None
@@ -207,7 +209,8 @@ class Engine:
         """Every slot back to the fresh template, none live (the compiled tick is kept)."""
         self.state = None  # drop the old state first: two states need not fit side by side
         self.state = self._fresh_state()
-        self._mirror = step_lib.SlotMirror.fresh(self.template, self.serve.slots)
+        if self.staged:
+            self._mirror = step_lib.SlotMirror.fresh(self.template, self.serve.slots)
 
     def _fresh_state(self) -> state_lib.SessionState:
         if self.mesh is None:
@@ -298,18 +301,21 @@ class Engine:
         if not self.staged:
             self._state, out = tick(self.params, self._state, self.template, beat)
             return out
-        if self._mirror is None:
-            self._mirror = step_lib.SlotMirror.read(self._state, self.template)
-        admitted, rolled, capsule_len = self._mirror.stage(beat, self.serve)
-        programs, state = self._staged, self._state
+        mirror = self._mirror or step_lib.SlotMirror.read(self._state, self.template)
+        self._mirror = None  # until every program of the beat is dispatched
+        admitted, rolled, capsule_len = mirror.stage(beat, self.serve)
+        programs = self._staged
         for b in admitted:
-            state = programs.admit(state, self.template, np.int32(b))
+            self._state = programs.admit(self._state, self.template, np.int32(b))
         for b in np.flatnonzero(rolled):
-            state = programs.reseed(
-                self.params, state, self.template, np.int32(b), beat.capsule[b], capsule_len[b]
-            )
-        beat = beat.replace(reseed=rolled)
-        self._state, out = tick(self.params, state, self.template, beat)
+            self._state = programs.reseed(
+                self.params, self._state, self.template, np.int32(b), beat.capsule[b],
+                capsule_len[b],
+            )  # fmt: skip
+        self._state, out = tick(
+            self.params, self._state, self.template, beat.replace(reseed=rolled)
+        )
+        self._mirror = mirror
         return out
 
     def compile_resident(self, next_beat, deliver):

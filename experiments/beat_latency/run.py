@@ -163,7 +163,7 @@ def write_row(row: dict) -> None:
 def init_params(cfg, precision):
     """Random weights, jitted (op by op the 11B init took ~45 s on an H200)."""
     t = time.perf_counter()
-    params = jax.jit(lambda k: voicechat.init(k, cfg, precision))(jax.random.key(0))
+    params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
     jax.block_until_ready(params)
     logging.info("random %s params in %.1f s", FLAGS.model, time.perf_counter() - t)
     return params

@@ -297,7 +297,7 @@ def main(argv):
     cfg = config_lib.PRESETS[FLAGS.model]()
     precision = Precision.fp32() if FLAGS.precision == "fp32" else Precision.reference()
     t = time.perf_counter()
-    params = jax.jit(lambda k: voicechat.init(k, cfg, precision))(jax.random.key(0))
+    params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
     jax.block_until_ready(params)
     logging.info("random %s params in %.1f s", FLAGS.model, time.perf_counter() - t)
     rows, template, reference = [], None, {}

@@ -88,7 +88,7 @@ def build(model: str):
     cfg = config_lib.PRESETS[model]()
     prec = precision_lib.policy(flags.FLAGS.precision)
     t = time.perf_counter()
-    params = jax.jit(lambda k: voicechat.init(k, cfg, prec))(jax.random.key(0))
+    params = voicechat.init_compiled(jax.random.key(0), cfg, prec)
     jax.block_until_ready(params)
     logging.info("random %s params in %.1f s", model, time.perf_counter() - t)
     return cfg, params

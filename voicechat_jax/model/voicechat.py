@@ -52,6 +52,29 @@ def init(key: jax.Array, cfg: ModelConfig, precision: Precision) -> ModelParams:
     )
 
 
+# Each sub-network's ``init`` as one program (its config and precision static).
+_COMPILED_INITS = tuple(
+    jax.jit(f, static_argnums=(1, 2))
+    for f in (conformer.init, nano.init, rnnt.init, ear_tts.init, codec.init)
+)
+
+
+def init_compiled(key: jax.Array, cfg: ModelConfig, precision: Precision) -> ModelParams:
+    """``init`` as one jitted program per sub-network: what the CLI and the benchmarks use.
+
+    Op by op, ``init`` compiles every random draw on its own (~30 s for the tiny model on a
+    2-core CPU, ~45 s at 11B on an H200); five programs compile in about half the time of one
+    for the whole, and JAX's persistent compilation cache keeps them for the next process. The
+    values equal ``init``'s up to float rounding (XLA fuses the scaling into the draws).
+    """
+    k = jax.random.split(key, 5)
+    sub = (cfg.encoder, cfg.llm, cfg.rnnt, cfg, cfg.codec)
+    enc, llm, head, tts, cod = (
+        f(k[i], c, precision) for i, (f, c) in enumerate(zip(_COMPILED_INITS, sub, strict=True))
+    )
+    return ModelParams(encoder=enc, llm=llm, rnnt=head, tts=tts, codec=cod)
+
+
 def abstract(cfg: ModelConfig, precision: Precision, *, text_table: bool = True) -> ModelParams:
     """Shapes and dtypes of every parameter; allocates nothing.
 

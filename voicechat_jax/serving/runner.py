@@ -189,10 +189,7 @@ def build(options: RunOptions, mesh: Mesh | None = None):
             known = sorted(config_lib.PRESETS)
             raise ValueError(f"unknown model preset {options.model!r}: {known}")
         cfg = config_lib.PRESETS[options.model]()
-        # Jitted: op by op the 11B init took ~45 s on an H200, and even the tiny model's ~30 s
-        # of per-op compiles on a CPU; one program is cached by JAX's compilation cache.
-        init = jax.jit(voicechat.init, static_argnums=(1, 2))
-        params = init(jax.random.key(options.seed), cfg, precision)
+        params = voicechat.init_compiled(jax.random.key(options.seed), cfg, precision)
         tokenizer = None
     return cfg, params, options.serve, tokenizer
 
