@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.test_staged_tick import mirror_agrees
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ServeConfig, tiny
@@ -253,10 +254,7 @@ def test_hold_full_keeps_every_cache_full_and_the_session_live(params):
     assert np.asarray(model.tts.pos).tolist() == [model.tts.k[0].shape[3], *fresh.tts.pos]
     # The staged engine's host mirror followed the held fills.
     assert engine.staged
-    device = step_lib.SlotMirror.read(engine.state, engine.template)
-    np.testing.assert_array_equal(engine.mirror.llm_length, device.llm_length)
-    np.testing.assert_array_equal(engine.mirror.tts_pos, device.tts_pos)
-    np.testing.assert_array_equal(engine.mirror.active, device.active)
+    mirror_agrees(engine)
 
 
 def _write_wav(path, x, rate=16000, channels=1):

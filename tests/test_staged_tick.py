@@ -23,7 +23,6 @@ from voicechat_jax.precision import Precision
 
 CFG = tiny()
 PREC = Precision.fp32()
-SPF = 1280
 
 
 @pytest.fixture(scope="module")

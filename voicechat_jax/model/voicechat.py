@@ -63,9 +63,10 @@ def init_compiled(key: jax.Array, cfg: ModelConfig, precision: Precision) -> Mod
     """``init`` as one jitted program per sub-network: what the CLI and the benchmarks use.
 
     Op by op, ``init`` compiles every random draw on its own (~30 s for the tiny model on a
-    2-core CPU, ~45 s at 11B on an H200); five programs compile in about half the time of one
-    for the whole, and JAX's persistent compilation cache keeps them for the next process. The
-    values equal ``init``'s up to float rounding (XLA fuses the scaling into the draws).
+    2-core CPU, ~45 s at 11B on an H200). The first compile of these five programs takes about
+    as long on the CPU, but JAX's persistent compilation cache keeps them for the next process
+    (a cached tiny ``voicechat-serve`` run: 33 s -> 9.4 s). The values equal ``init``'s up to
+    float rounding (XLA fuses the scaling into the draws).
     """
     k = jax.random.split(key, 5)
     sub = (cfg.encoder, cfg.llm, cfg.rnnt, cfg, cfg.codec)
