@@ -126,6 +126,8 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "ticks_skipped": s["ticks_skipped"],
         "missed_by_cause": s["missed_by_cause"],
         "skipped_by_cause": s["skipped_by_cause"],
+        "stage_p99_ms": {k: v["p99"] for k, v in s["host_stages_ms"].items()},
+        "stage_max_ms": {k: v["max"] for k, v in s["host_stages_ms"].items()},
         "at_cap": FLAGS.at_cap,
         "hold_full": FLAGS.hold_full,
         "warmup_max_ms": s["warmup"]["latency_ms"]["max"],

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Runs benchmark commands on a lent device machine past one call's 10-minute limit.
+#
+#   experiments/device_queue.sh start CMD [CMD ...]   queue the commands, run them one after
+#                                                       another in a process session of their own
+#   experiments/device_queue.sh wait SECONDS            wait for the queue (at most SECONDS), then
+#                                                       copy its log and rows to $OUT
+#
+# The queue survives the call that starts it (it is in a new session), so a later call, made
+# while the machine is still warm, picks up where it stands. Every command runs in the repository
+# root with the persistent compilation cache set; it should write its rows under $QUEUE_ROWS
+# (exported to it), which `wait` copies back. State lives outside the repository, which each call
+# copies over again: /tmp/device_queue.
+set -u
+dir=/tmp/device_queue
+case "${1:-}" in
+  start)
+    shift
+    mkdir -p "$dir/rows"
+    printf '%s\n' "$@" >>"$dir/queue"
+    if [[ -f $dir/pid ]] && kill -0 "$(cat "$dir/pid")" 2>/dev/null; then
+      echo "queue running (pid $(cat "$dir/pid")): $# command(s) added"
+      exit 0
+    fi
+    export JAX_COMPILATION_CACHE_DIR=$PWD/.jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=2
+    export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 QUEUE_ROWS=$dir/rows
+    setsid bash -c '
+      n=0
+      while true; do
+        n=$((n + 1)); cmd=$(sed -n "${n}p" "$0/queue")
+        [[ -z $cmd ]] && break
+        echo "== $(date +%T) start $n: $cmd"
+        bash -c "$cmd"
+        rc=$?
+        echo "== $(date +%T) end $n: rc=$rc"
+      done
+      echo "== $(date +%T) queue done"' "$dir" >>"$dir/log" 2>&1 </dev/null &
+    echo $! >"$dir/pid"
+    echo "queue started (pid $!)"
+    ;;
+  wait)
+    end=$((SECONDS + ${2:-540}))
+    while kill -0 "$(cat "$dir/pid")" 2>/dev/null && ((SECONDS < end)); do sleep 5; done
+    kill -0 "$(cat "$dir/pid")" 2>/dev/null && echo "queue still running" || echo "queue done"
+    grep '^== ' "$dir/log"
+    tail -c 6000 "$dir/log"
+    cp "$dir/log" "$OUT/queue.log"
+    for f in "$dir"/rows/*; do [[ -f $f ]] && cp "$f" "$OUT/"; done
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
+    ;;
+  *)
+    echo "usage: $0 start CMD [CMD ...] | wait SECONDS" >&2
+    exit 2
+    ;;
+esac
