@@ -46,6 +46,7 @@ from voicechat_jax.serving import (
     validate_frame,
     write_wav,
 )
+from voicechat_jax.serving import writer as writer_lib
 from voicechat_jax.serving.writer import WavStream, frame_lines, to_pcm16
 
 P = 0.16  # seconds per tick: 2 frames of 80 ms
@@ -535,6 +536,25 @@ def test_take_beat_checks_slot_count_and_session_output():
     assert out.transcript(2 * 3) == [3, 3, 3]
     assert out.transcript(2 * 4) == []
     assert SessionOutput().arrays()["text"].shape == (0,)
+
+
+def test_growing_buffer_keeps_its_chunks_and_every_row(monkeypatch):
+    """Appends of odd sizes across many chunks read back whole; the chunks already written are
+    never reallocated (an append copies only its own rows), and stop doubling at the limit."""
+    monkeypatch.setattr(writer_lib, "_CHUNK_BYTES", 8 * 4 * 3)  # 8 rows of [3] int32
+    g = writer_lib._Growing((3,), np.int32, capacity=2)
+    first = g._chunks[0]
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 100, (int(n), 3), dtype=np.int32) for n in rng.integers(0, 11, 30)]
+    for p in parts:
+        g.extend(p)
+    want = np.concatenate(parts)
+    np.testing.assert_array_equal(g.view(), want)
+    assert g._chunks[0] is first and len(g._chunks) > 3
+    assert [c.shape[0] for c in g._chunks[:4]] == [2, 4, 8, 8]
+    np.testing.assert_array_equal(g.row(len(want) - 1), want[-1])
+    with pytest.raises(IndexError):
+        g.row(len(want))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ missed ticks) and writes the rows as JSON lines to --out. See README.md beside t
 from __future__ import annotations
 
 import json
+import tempfile
 import os
 import time
 
@@ -99,8 +100,17 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
     engine.reset()
     samples = ticks * engine.samples_per_beat
     plans = [SessionPlan(id=f"s{i}", audio=_speech(samples, i)) for i in range(sessions)]
-    server = Server(engine, clock=FLAGS.clock, loop=loop, warmup_ticks=FLAGS.warmup_ticks)
-    server.run(plans, ticks)
+    # Outputs streamed to files as ``voicechat-serve`` does, not kept in memory.
+    with tempfile.TemporaryDirectory(prefix="beat_latency_") as out_dir:
+        server = Server(
+            engine,
+            clock=FLAGS.clock,
+            loop=loop,
+            warmup_ticks=FLAGS.warmup_ticks,
+            keep_outputs=False,
+            output_dir=out_dir,
+        )
+        server.run(plans, ticks)
     s = server.metrics.summary()
     lat = s["latency_ms"]
     return {
