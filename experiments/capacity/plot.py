@@ -1,0 +1,73 @@
+"""Beat latency against sessions from the capacity rows, with the 160 ms beat and the 140 ms p99
+target. See README.md.
+
+  PYTHONPATH=. python3 experiments/capacity/plot.py \
+    --rows=experiments/capacity/results/h200_reference.jsonl \
+    --out=experiments/capacity/results/latency_vs_sessions.png
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("rows", None, "JSON-lines files of capacity rows.")
+flags.DEFINE_string("out", None, "PNG written.")
+flags.mark_flags_as_required(["rows", "out"])
+
+BEAT_MS = 160.0
+TARGET_P99_MS = 140.0
+
+
+def series(rows: list[dict]) -> dict[str, list[dict]]:
+    """Served rows grouped by policy, loop and fill (the last row per session count wins)."""
+    groups: dict[str, dict[int, dict]] = collections.defaultdict(dict)
+    for r in rows:
+        if r.get("kind") != "serve":
+            continue
+        fill = "full" if r.get("hold_full") else "filling"
+        name = f"{r.get('policy', 'reference')}, {r['loop']}, {fill} caches"
+        groups[name][r["sessions"]] = r
+    return {k: [v[n] for n in sorted(v)] for k, v in sorted(groups.items())}
+
+
+def main(argv):
+    del argv
+    rows = []
+    for path in FLAGS.rows:
+        with open(path) as f:
+            rows.extend(json.loads(line) for line in f if line.strip())
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in series(rows).items():
+        n = [p["sessions"] for p in points]
+        (line,) = ax.plot(n, [p["p99_ms"] for p in points], "o-", label=f"{name}: p99")
+        ax.plot(n, [p["p50_ms"] for p in points], "s--", color=line.get_color(), alpha=0.6)
+        ax.plot(n, [p["max_ms"] for p in points], "^", color=line.get_color(), alpha=0.6)
+        for p in points:
+            if p["missed_ticks"]:
+                ax.annotate(f"{p['missed_ticks']} missed", (p["sessions"], p["max_ms"]), fontsize=8)
+    top = max([BEAT_MS, *(p["max_ms"] for r in series(rows).values() for p in r)])
+    most = max([1, *(p["sessions"] for r in series(rows).values() for p in r)])
+    ax.set_xlim(0, most * 1.25)
+    ax.set_ylim(0, top * 1.08)
+    ax.axhline(BEAT_MS, color="red", lw=1)
+    ax.text(ax.get_xlim()[0], BEAT_MS + 1, "160 ms beat", color="red", fontsize=8)
+    ax.axhline(TARGET_P99_MS, color="gray", lw=1, ls=":")
+    ax.text(ax.get_xlim()[0], TARGET_P99_MS + 1, "140 ms p99 target", color="gray", fontsize=8)
+    ax.set_xlabel("sessions (one H200, 11B, 1,500-frame cap)")
+    ax.set_ylabel("beat latency, ms (square p50, circle p99, triangle max)")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(FLAGS.out, dpi=120)
+
+
+if __name__ == "__main__":
+    app.run(main)
