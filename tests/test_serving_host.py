@@ -550,7 +550,8 @@ def test_growing_buffer_keeps_its_chunks_and_every_row(monkeypatch):
         g.extend(p)
     want = np.concatenate(parts)
     np.testing.assert_array_equal(g.view(), want)
-    assert g._chunks[0] is first and len(g._chunks) > 3
+    assert g._chunks[0] is first
+    assert len(g._chunks) > 3
     assert [c.shape[0] for c in g._chunks[:4]] == [2, 4, 8, 8]
     np.testing.assert_array_equal(g.row(len(want) - 1), want[-1])
     with pytest.raises(IndexError):

@@ -7,8 +7,8 @@ missed ticks) and writes the rows as JSON lines to --out. See README.md beside t
 from __future__ import annotations
 
 import json
-import tempfile
 import os
+import tempfile
 import time
 
 import jax

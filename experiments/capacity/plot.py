@@ -14,8 +14,8 @@ import json
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from absl import app, flags  # noqa: E402
+import matplotlib.pyplot as plt
+from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", None, "JSON-lines files of capacity rows.")

@@ -35,7 +35,9 @@ class _Doubling:
     def extend(self, rows):
         need = self.n + rows.shape[0]
         if need > self._buf.shape[0]:
-            grown = np.zeros((max(need, 2 * self._buf.shape[0]), *self._buf.shape[1:]), self._buf.dtype)
+            grown = np.zeros(
+                (max(need, 2 * self._buf.shape[0]), *self._buf.shape[1:]), self._buf.dtype
+            )
             grown[: self.n] = self._buf[: self.n]
             self._buf = grown
         self._buf[self.n : need] = rows
