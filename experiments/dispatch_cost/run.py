@@ -8,8 +8,9 @@ For one engine of ``--slots`` slots, every slot live (the model, kernels and cap
    its kernel launches, the fusions and custom calls in its optimized HLO (a loop's body counted
    once);
 2. ``tick``: ``--ticks`` plain beats (beat_latency's flag), each waited for before the next.
-   Host ms until the compiled tick's call returns and until its output is ready; the same for ``Engine.tick`` (which adds
-   the host's mirror and the dispatch of admissions and roll-overs: none on plain beats);
+   Host ms until the compiled tick's call returns and until its output is ready; the same for
+   ``Engine.tick`` (which adds the host's mirror and the dispatch of admissions and roll-overs:
+   none on plain beats);
 3. ``synthetic``: a jitted program over N small argument arrays (N in ``--leaves``) that reads one
    of them: the host ms of its call, the per-argument cost of a call apart from any model.
 
