@@ -11,6 +11,7 @@ import json
 import struct
 import wave
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,6 +154,25 @@ def test_resident_equals_dispatch(engine):
     dispatch = _serve(engine, plans, 8, loop="dispatch")
     for p in plans:
         _same(_out(resident, p.id), _out(dispatch, p.id))
+
+
+def test_resident_warm_up_runs_one_iteration_aside_from_the_host(engine):
+    """``warm_resident`` runs the compiled loop once without calling the host's callbacks and
+    leaves every slot fresh; the callbacks are the loop's again afterwards."""
+    calls = []
+
+    def next_beat(i):
+        calls.append(("next", i))
+        return engine.empty_beat(), np.asarray(True)
+
+    engine.reset()
+    fresh = jax.tree.map(np.asarray, engine.state)
+    compiled = engine.compile_resident(next_beat, lambda i, out: calls.append(("deliver", i)))
+    assert engine.warm_resident(compiled) > 0
+    assert calls == []
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, engine.state), fresh)
+    engine.run_resident(compiled, engine.empty_beat())
+    assert calls == [("deliver", 0), ("next", 0)]
 
 
 def test_served_frames_equal_the_model_alone(engine, params):
