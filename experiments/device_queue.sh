@@ -10,9 +10,9 @@
 # while the machine is still warm, picks up where it stands. Every command runs in the repository
 # root with the persistent compilation cache set; it should write its rows under $QUEUE_ROWS
 # (exported to it), which `wait` copies back. State lives outside the repository, which each call
-# copies over again: /tmp/device_queue.
+# copies over again: $DEVICE_QUEUE_DIR, by default /tmp/device_queue.
 set -u
-dir=/tmp/device_queue
+dir=${DEVICE_QUEUE_DIR:-/tmp/device_queue}
 case "${1:-}" in
   start)
     shift
@@ -46,7 +46,7 @@ case "${1:-}" in
     tail -c 6000 "$dir/log"
     cp "$dir/log" "$OUT/queue.log"
     for f in "$dir"/rows/*; do [[ -f $f ]] && cp "$f" "$OUT/"; done
-    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null || true
     ;;
   *)
     echo "usage: $0 start CMD [CMD ...] | wait SECONDS" >&2
