@@ -31,11 +31,17 @@ import tarfile
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("src", None, "pack: the cache folder; unpack: the folder holding the parts.")
-flags.DEFINE_string("out", None, "pack: where the parts are written.")
-flags.DEFINE_string("dst", None, "unpack: the cache folder to fill.")
-flags.DEFINE_integer("budget_mib", 56, "pack: compressed MiB at most, all parts together.")
-flags.DEFINE_integer("part_mib", 14, "pack: MiB at most per part.")
+
+
+def _define_flags() -> None:
+    """The command line's flags (defined only when run, so that tests can import the module
+    beside experiments that define flags of the same names)."""
+    flags.DEFINE_string("src", None, "pack: the cache folder; unpack: the folder of the parts.")
+    flags.DEFINE_string("out", None, "pack: where the parts are written.")
+    flags.DEFINE_string("dst", None, "unpack: the cache folder to fill.")
+    flags.DEFINE_integer("budget_mib", 56, "pack: compressed MiB at most, all parts together.")
+    flags.DEFINE_integer("part_mib", 14, "pack: MiB at most per part.")
+
 
 PREFIX = "compile_cache.tar."
 MANIFEST = "compile_cache_manifest.json"
@@ -165,4 +171,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
