@@ -140,9 +140,9 @@ class _Growing:
     """Rows of one dtype and trailing shape, kept in chunks that are never copied on growth.
 
     Each new chunk holds twice the rows of the last, up to ``_CHUNK_BYTES``; an append copies only
-    its own rows, so its cost is bounded however long the session runs (a doubling buffer that
-    copies everything when full took ~0.2 s at once for 56 sessions' 80 s of audio on the H200's
-    host, on the writer thread). ``view`` assembles the rows (for readers after the fact).
+    its own rows, so its cost is bounded however long the session runs (a buffer that doubled,
+    copying everything, stalled the writer thread for 0.2 s in one beat at 56 sessions on the
+    H200's host: ``experiments/capacity``). ``view`` assembles the rows (for readers after).
     """
 
     def __init__(self, tail: tuple[int, ...], dtype, capacity: int = 64):
