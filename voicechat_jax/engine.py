@@ -278,16 +278,20 @@ class Engine:
         if self._warmed:
             return 0.0
         t = time.perf_counter()
+        jax.block_until_ready(self.tick(self._warm_beat()))
+        self.reset()
+        jax.block_until_ready(self.state)
+        self._warmed = True
+        return time.perf_counter() - t
+
+    def _warm_beat(self) -> state_lib.BeatInput:
+        """A beat down every path: every slot admitted and rolled over with a one-id capsule."""
         beat = self.empty_beat()
         beat.admit[:] = True
         beat.reseed[:] = True
         beat.capsule_len[:] = 1
         beat.key[:] = np.arange(beat.key.size, dtype=np.uint32).reshape(beat.key.shape)
-        jax.block_until_ready(self.tick(beat))
-        self.reset()
-        jax.block_until_ready(self.state)
-        self._warmed = True
-        return time.perf_counter() - t
+        return beat
 
     def tick(self, beat: state_lib.BeatInput) -> state_lib.BeatOutput:
         """Dispatches one beat (asynchronously); the state is donated and replaced.
@@ -357,14 +361,9 @@ class Engine:
         callbacks are not called (``compile_resident``). A server calls it before its clock starts.
         """
         t = time.perf_counter()
-        beat = self.empty_beat()
-        beat.admit[:] = True
-        beat.reseed[:] = True
-        beat.capsule_len[:] = 1
-        beat.key[:] = np.arange(beat.key.size, dtype=np.uint32).reshape(beat.key.shape)
         self._warming_resident = True
         try:
-            self.run_resident(compiled, beat)
+            self.run_resident(compiled, self._warm_beat())
         finally:
             self._warming_resident = False
         self.reset()
