@@ -46,6 +46,7 @@ def test_dispatch_tick_is_in_place(engine):
     # The staged admission and roll-over programs update the state where it lies too.
     _check_in_place(engine.stages.admit, engine.state)
     _check_in_place(engine.stages.reseed, engine.state)
+    _check_in_place(engine.stages.restart, engine.state)
 
 
 def test_resident_loop_is_in_place(engine):

@@ -31,7 +31,8 @@ def params():
 
 
 def _beats(engine: Engine, n: int) -> list:
-    """Joins, a held slot, a roll-over with a capsule, a leave and a re-join, past the cap."""
+    """Joins, a held slot, roll-overs with a capsule and with none, a leave and a re-join, past
+    the cap."""
     rng = np.random.default_rng(3)
     beats = []
     for k in range(n):
@@ -48,6 +49,8 @@ def _beats(engine: Engine, n: int) -> list:
             beat.release[0] = True
             beat.admit[2] = True
             beat.key[2] = [5, 6]
+        if k == 4:
+            beat.reseed[2] = True  # an empty capsule: the staged engine's ``restart``
         if k == 5:
             beat.run[1] = False
         if k == 7:
@@ -105,6 +108,17 @@ def test_staged_engine_matches_the_one_program_tick(params, rollover_pair, at_ca
     assert reported["at_cap"] > 0 if at_cap == "end" else reported["at_cap"] == 0
 
 
+def test_an_empty_capsule_leaves_the_templates_llm_state(params, rollover_pair):
+    """Why a roll-over with an empty capsule skips the prefill (``restart_slot``, and the cond in
+    ``step.reseed``): prefilling nothing is the template's LLM state, bit for bit."""
+    _, staged = rollover_pair
+    t = staged.template
+    U = staged.serve.capsule_tokens
+    ids = np.arange(U, dtype=np.int32)[None]
+    llm = step_lib._capsule_llm(params, t, ids, np.zeros((1,), np.int32), cfg=CFG)
+    chex.assert_trees_all_equal(jax.device_get(llm), jax.device_get(t.llm))
+
+
 def _whiles(hlo: str) -> tuple[int, int]:
     """(while loops, those of known trip count) in a compiled program's HLO text."""
     lines = [line for line in hlo.splitlines() if re.search(r"\swhile\(", line)]
@@ -114,7 +128,7 @@ def _whiles(hlo: str) -> tuple[int, int]:
 def test_staged_programs_have_no_loop_the_device_decides(rollover_pair):
     one, staged = rollover_pair
     stages = staged.stages
-    for name in ("admit", "reseed", "tick"):
+    for name in ("admit", "reseed", "restart", "tick"):
         n, known = _whiles(getattr(stages, name).as_text())
         assert n == known, (name, n, known)
     assert _whiles(stages.tick.as_text())[0] > 0  # the frame scan, the RNNT symbol loop

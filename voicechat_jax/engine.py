@@ -239,6 +239,7 @@ class Engine:
                     reseed=staged.reseed.lower(
                         self.params, self.state, self.template, slot, capsule, slot
                     ).compile(),
+                    restart=staged.restart.lower(self.state, self.template, slot).compile(),
                     tick=staged.tick.lower(*args).compile(),
                 )
                 self._tick = self._staged.tick
@@ -297,8 +298,8 @@ class Engine:
         """Dispatches one beat (asynchronously); the state is donated and replaced.
 
         Staged: first one admission program per admitted slot and one roll-over program per slot
-        rolled over (the host's requests, and the at-cap fallback that the mirror sees), then
-        the tick told which slots were rolled over.
+        rolled over (the host's requests, and the at-cap fallback that the mirror sees; without
+        a prefill when the capsule is empty), then the tick told which slots were rolled over.
         """
         tick = self.compile_tick()
         if self.mesh is not None:
@@ -313,6 +314,9 @@ class Engine:
         for b in admitted:
             self._state = programs.admit(self._state, self.template, np.int32(b))
         for b in np.flatnonzero(rolled):
+            if capsule_len[b] == 0:  # nothing to prefill: the template's LLM state as it is
+                self._state = programs.restart(self._state, self.template, np.int32(b))
+                continue
             self._state = programs.reseed(
                 self.params, self._state, self.template, np.int32(b), beat.capsule[b],
                 capsule_len[b],

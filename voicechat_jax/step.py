@@ -124,20 +124,32 @@ def reseed(
         b = slots[i]
         ids = jax.lax.dynamic_slice_in_dim(capsule, b, 1, axis=0)  # [1, U]
         n = jax.lax.dynamic_slice_in_dim(capsule_len, b, 1, axis=0)
-        return _reseed_one(params, m, template, b, ids, n, cfg=cfg)
+        # An empty capsule leaves the template's LLM state as it is: no prefill to run.
+        llm = jax.lax.cond(
+            n[0] > 0,
+            lambda: _capsule_llm(params, template, ids, n, cfg=cfg),
+            lambda: template.llm,
+        )
+        return _restart_one(m, template, b, llm)
 
     return jax.lax.fori_loop(0, jnp.sum(mask, dtype=jnp.int32), one, model)
 
 
-def _reseed_one(params, model, template, b, ids, n, *, cfg: ModelConfig) -> voicechat.FrameState:
-    """Slot ``b`` of ``model`` rolled over with the capsule ``ids[:, :n]`` ([1, U], [1]); see
-    ``reseed``."""
+def _capsule_llm(params, template, ids, n, *, cfg: ModelConfig):
+    """The template's LLM state with the capsule ``ids[:, :n]`` ([1, U], [1]) prefilled after it.
+    With ``n`` 0 it is the template's state, bit for bit (prefill changes nothing past a
+    length), so callers skip it then."""
     lc = cfg.llm
     pads = jnp.full(ids.shape, PAD_ID, jnp.int32)
-    cur = _slot(model, b)
     prompt = nano.embed(params.llm, ids).astype(jnp.float32)
     e = nano.input_embedding(params.llm, pads, pads, prompt, cfg=lc)
     llm, _ = nano.prefill(params.llm, template.llm, e, n, cfg=lc)
+    return llm
+
+
+def _restart_one(model, template, b, llm) -> voicechat.FrameState:
+    """Slot ``b`` of ``model`` rolled over to the LLM state ``llm`` (batch 1); see ``reseed``."""
+    cur = _slot(model, b)
     tts = template.tts.replace(prev_codes=cur.tts.prev_codes, frame=jnp.ones_like(cur.tts.frame))
     return _put_slot(model, cur.replace(llm=llm, tts=tts), b)
 
@@ -161,11 +173,18 @@ def reseed_slot(
     cfg: ModelConfig,
 ) -> SessionState:
     """Slot ``slot`` rolled over with ``capsule[:capsule_len]`` ([U] int32, an int32 scalar), in
-    place: ``reseed`` for one slot, as its own program (``make_staged``)."""
-    model = _reseed_one(
-        params, state.model, template, slot, capsule[None], capsule_len[None], cfg=cfg
-    )
-    return state.replace(model=model)
+    place: ``reseed`` for one slot, as its own program (``make_staged``). The host sends an
+    empty capsule to ``restart_slot`` instead."""
+    llm = _capsule_llm(params, template, capsule[None], capsule_len[None], cfg=cfg)
+    return state.replace(model=_restart_one(state.model, template, slot, llm))
+
+
+def restart_slot(
+    state: SessionState, template: voicechat.FrameState, slot: jax.Array
+) -> SessionState:
+    """Slot ``slot`` rolled over with an empty capsule, in place: ``reseed_slot`` without the
+    prefill, which would leave the template's LLM state as it is (``make_staged``)."""
+    return state.replace(model=_restart_one(state.model, template, slot, template.llm))
 
 
 def hold_full(model: voicechat.FrameState, fpt: int, mask: jax.Array) -> voicechat.FrameState:
@@ -275,14 +294,16 @@ def make_tick(cfg: ModelConfig, serve: ServeConfig) -> Callable:
 class StagedPrograms:
     """The dispatch loop's programs when admission and roll-over are staged (``Engine``).
 
-    Each donates the state. ``admit(state, template, slot)`` and ``reseed(params, state,
-    template, slot, capsule, capsule_len)`` touch one slot and are dispatched only for the slots
-    that need them, before ``tick(params, state, template, beat)`` (``tick`` with
-    ``staged=True``). None of the three has a loop whose trip count the device decides.
+    Each donates the state. ``admit(state, template, slot)``, ``reseed(params, state, template,
+    slot, capsule, capsule_len)`` and ``restart(state, template, slot)`` (a roll-over with an
+    empty capsule) touch one slot and are dispatched only for the slots that need them, before
+    ``tick(params, state, template, beat)`` (``tick`` with ``staged=True``). None of them has a
+    loop whose trip count the device decides.
     """
 
     admit: Callable
     reseed: Callable
+    restart: Callable
     tick: Callable
 
 
@@ -293,6 +314,7 @@ def make_staged(cfg: ModelConfig, serve: ServeConfig) -> StagedPrograms:
         reseed=jax.jit(
             _in_scope(reseed_slot, cfg=cfg, precision=serve.precision), donate_argnums=(1,)
         ),
+        restart=jax.jit(restart_slot, donate_argnums=(0,)),
         tick=jax.jit(_in_scope(tick, cfg=cfg, serve=serve, staged=True), donate_argnums=(1,)),
     )
 

@@ -1,12 +1,14 @@
 """What a roll-over costs the beat: beat time with and without sessions re-seeded in it.
 
 Every slot is live (noise audio); after warm-up, beats alternate between plain beats and beats in
-which ``--rolled`` slots roll over (``step.reseed`` with a full capsule of U ids). Each beat is
-timed from dispatch to its output ready (``block_until_ready``). Prints one row per (sessions,
-rolled): p50 / p99 beat time of the plain and the roll-over beats and the p50 extra; writes the
-rows as JSON lines to ``--out``.
+which ``--rolled`` slots roll over, with capsules of ``--capsule_lens`` ids (U: a full capsule;
+0: an empty one, rolled over without a prefill). Each beat is timed from dispatch to its output
+ready (``block_until_ready``). Prints one row per (sessions, capsule, rolled): p50 / p99 beat
+time of the plain and the roll-over beats and the p50 extra; writes the rows as JSON lines to
+``--out``.
 
-  python3 experiments/rollover_cost/run.py --model=voicechat_11b --sessions=16,56 --out=rows.jsonl
+  python3 experiments/rollover_cost/run.py --model=voicechat_11b --sessions=16,56 \
+    --capsule_lens=full,0 --out=rows.jsonl
   python3 experiments/rollover_cost/run.py --model=tiny --sessions=2 --beats=6   # CPU smoke
 """
 
@@ -31,7 +33,13 @@ flags.DEFINE_list("rolled", ["1", "4"], "Slots rolled over in one roll-over beat
 flags.DEFINE_integer("beats", 40, "Measured beats per row (half of them roll-over beats).")
 flags.DEFINE_integer("warmup", 5, "Beats before measuring.")
 flags.DEFINE_integer("context_frames", 1500, "Context cap in frames.")
-flags.DEFINE_integer("capsule_tokens", 96, "U: capsule room (each roll-over uses all of it).")
+flags.DEFINE_integer("capsule_tokens", 96, "U: capsule room.")
+flags.DEFINE_list(
+    "capsule_lens",
+    ["full"],
+    "Ids in each roll-over's capsule, one row set per entry: full (U: at_cap=memory's worst), "
+    "0 (at_cap=reset and the at-cap fallback: no prefill) or a count.",
+)
 flags.DEFINE_enum("precision", "reference", ["reference", "fp32"], "Dtype policy.")
 flags.DEFINE_enum(
     "ssm_kernel", "xla", [m.value for m in config_lib.SSMKernel], "Mamba-2 decode update."
@@ -62,8 +70,9 @@ def make_engine(params, cfg, precision, sessions: int) -> Engine:
     return engine
 
 
-def measure(engine: Engine, rolled: int) -> dict:
-    """One row: ``rolled`` slots re-seeded every other beat of ``engine`` (all slots live)."""
+def measure(engine: Engine, rolled: int, capsule_len: int) -> dict:
+    """One row: ``rolled`` slots re-seeded every other beat of ``engine`` (all slots live), each
+    with a capsule of ``capsule_len`` ids."""
     engine.reset()
     cfg, sessions = engine.cfg, engine.serve.slots
     rng = np.random.default_rng(0)
@@ -82,7 +91,7 @@ def measure(engine: Engine, rolled: int) -> dict:
                 b = (k * rolled + j) % sessions
                 beat.reseed[b] = True
                 beat.capsule[b] = rng.integers(3, cfg.llm.vocab_size, FLAGS.capsule_tokens)
-                beat.capsule_len[b] = FLAGS.capsule_tokens
+                beat.capsule_len[b] = capsule_len
         t = time.perf_counter()
         jax.block_until_ready(engine.tick(beat))
         if k >= FLAGS.warmup:
@@ -93,6 +102,7 @@ def measure(engine: Engine, rolled: int) -> dict:
         "sessions": sessions,
         "rolled": rolled,
         "capsule_tokens": FLAGS.capsule_tokens,
+        "capsule_len": capsule_len,
         "device": str(jax.devices()[0]),
         "ssm_kernel": FLAGS.ssm_kernel,
         "attention": FLAGS.attention,
@@ -109,17 +119,20 @@ def main(argv) -> None:
     del argv
     cfg = config_lib.PRESETS[FLAGS.model]()
     precision = Precision.fp32() if FLAGS.precision == "fp32" else Precision.reference()
-    params = voicechat.init(jax.random.key(0), cfg, precision)
+    params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
+    lens = [FLAGS.capsule_tokens if x == "full" else int(x) for x in FLAGS.capsule_lens]
     rows = []
     for s in FLAGS.sessions:
         engine = make_engine(params, cfg, precision, int(s))  # one compile per session count
-        for r in FLAGS.rolled:
-            rows.append(measure(engine, int(r)))
-            if FLAGS.out:
-                with open(FLAGS.out, "a") as f:
-                    f.write(json.dumps(rows[-1]) + "\n")
+        for n in lens:
+            for r in FLAGS.rolled:
+                rows.append(measure(engine, int(r), n))
+                if FLAGS.out:
+                    with open(FLAGS.out, "a") as f:
+                        f.write(json.dumps(rows[-1]) + "\n")
     head = (
         "sessions",
+        "capsule_len",
         "rolled",
         "plain_p50_ms",
         "rollover_p50_ms",
