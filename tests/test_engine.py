@@ -107,7 +107,9 @@ def test_churn_every_tick_compiles_once(params):
     recording[0] = False
     assert compiles.count == 1
     assert engine.staged
-    assert len(events) == 3  # the tick and its staged admission and roll-over programs, once each
+    # The tick and its staged admission and two roll-over programs (with and without a
+    # capsule), once each.
+    assert len(events) == 4
     summary = server.metrics.summary()
     assert summary["events"]["admitted"] == 10
     assert summary["events"].get("refused", 0) == 0
