@@ -191,7 +191,9 @@ class Engine:
         self._tick = None
         self._staged: step_lib.StagedPrograms | None = None
         self._warmed = False
-        self._warming_resident = False  # compile_resident's callbacks stand aside while True
+        # While ``warm_resident`` runs: the warm-up beats still to feed (the host's callbacks
+        # stand aside); None otherwise.
+        self._warming_resident: list | None = None
         self.compile_s: float | None = None
 
     @property
@@ -279,20 +281,24 @@ class Engine:
         if self._warmed:
             return 0.0
         t = time.perf_counter()
-        jax.block_until_ready(self.tick(self._warm_beat()))
+        for beat in self._warm_beats():
+            jax.block_until_ready(self.tick(beat))
         self.reset()
         jax.block_until_ready(self.state)
         self._warmed = True
         return time.perf_counter() - t
 
-    def _warm_beat(self) -> state_lib.BeatInput:
-        """A beat down every path: every slot admitted and rolled over with a one-id capsule."""
-        beat = self.empty_beat()
-        beat.admit[:] = True
-        beat.reseed[:] = True
-        beat.capsule_len[:] = 1
-        beat.key[:] = np.arange(beat.key.size, dtype=np.uint32).reshape(beat.key.shape)
-        return beat
+    def _warm_beats(self) -> tuple[state_lib.BeatInput, state_lib.BeatInput]:
+        """Two beats down every path: every slot admitted and rolled over with a one-id capsule,
+        then every slot rolled over with an empty one (no prefill: ``step.restart_slot``)."""
+        first = self.empty_beat()
+        first.admit[:] = True
+        first.reseed[:] = True
+        first.capsule_len[:] = 1
+        first.key[:] = np.arange(first.key.size, dtype=np.uint32).reshape(first.key.shape)
+        second = self.empty_beat()
+        second.reseed[:] = True
+        return first, second
 
     def tick(self, beat: state_lib.BeatInput) -> state_lib.BeatOutput:
         """Dispatches one beat (asynchronously); the state is donated and replaced.
@@ -330,8 +336,8 @@ class Engine:
     def compile_resident(self, next_beat, deliver):
         """Compiles the resident loop bound to these host callbacks; returns the executable.
 
-        While ``warm_resident`` runs it, the callbacks are not called: the loop stops after one
-        iteration and its output is dropped.
+        While ``warm_resident`` runs it, the callbacks are not called: the loop runs the warm-up
+        beats, its output dropped, and stops.
         """
         if self.mesh is not None:
             raise ValueError(
@@ -341,12 +347,15 @@ class Engine:
         t = time.perf_counter()
 
         def next_or_stop(i):
-            if self._warming_resident:
+            rest = self._warming_resident
+            if rest is not None:
+                if rest:
+                    return rest.pop(0), np.asarray(False)
                 return self.empty_beat(), np.asarray(True)
             return next_beat(i)
 
         def deliver_unless_warming(i, out):
-            if not self._warming_resident:
+            if self._warming_resident is None:
                 deliver(i, out)
 
         fn = step_lib.make_resident(self.cfg, self.serve, next_or_stop, deliver_unless_warming)
@@ -356,7 +365,7 @@ class Engine:
         return compiled
 
     def warm_resident(self, compiled) -> float:
-        """Runs one iteration of a compiled resident loop down every path, then ``reset``;
+        """Runs a compiled resident loop down every path (``warm``'s two beats), then ``reset``;
         returns seconds.
 
         As ``warm`` for the dispatch tick: the first iteration of each compiled loop pays a first
@@ -365,11 +374,12 @@ class Engine:
         callbacks are not called (``compile_resident``). A server calls it before its clock starts.
         """
         t = time.perf_counter()
-        self._warming_resident = True
+        first, *rest = self._warm_beats()
+        self._warming_resident = rest  # the beats after the first; then the loop stops
         try:
-            self.run_resident(compiled, self._warm_beat())
+            self.run_resident(compiled, first)
         finally:
-            self._warming_resident = False
+            self._warming_resident = None
         self.reset()
         jax.block_until_ready(self.state)
         return time.perf_counter() - t
