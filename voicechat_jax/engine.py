@@ -247,6 +247,7 @@ class Engine:
                 self._tick = self._staged.tick
                 _log_compiled("admission", self._staged.admit, self.memory)
                 _log_compiled("roll-over", self._staged.reseed, self.memory)
+                _log_compiled("empty roll-over", self._staged.restart, self.memory)
             elif self.mesh is None:
                 self._tick = step_lib.make_tick(self.cfg, self.serve).lower(*args).compile()
             else:

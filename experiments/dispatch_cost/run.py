@@ -56,15 +56,15 @@ def launches(compiled) -> dict:
     }
 
 
-def time_tick(engine, ticks: int) -> dict:
-    """Host ms of the compiled tick's call and of ``Engine.tick``, each beat waited for."""
+def time_tick(engine, program, ticks: int) -> dict:
+    """Host ms of the compiled tick ``program``'s call and of ``Engine.tick``, each beat waited
+    for."""
     engine.reset()
     beat = engine.empty_beat()
     beat.admit[:] = True
     jax.block_until_ready(engine.tick(beat))  # every slot live
     plain = engine.empty_beat()
     raw_call, raw_ready, call, ready = [], [], [], []
-    program = engine.stages.tick if engine.staged else engine.compile_tick()
     for _ in range(ticks):
         state = engine.state
         engine.state = None
@@ -138,7 +138,8 @@ def main(argv):
         | launches(program)
     )
     beat_latency.write_row(rows[-1])
-    rows.append(base | {"kind": "tick", "slots": FLAGS.slots} | time_tick(engine, FLAGS.ticks))
+    timed = time_tick(engine, program, FLAGS.ticks)
+    rows.append(base | {"kind": "tick", "slots": FLAGS.slots} | timed)
     beat_latency.write_row(rows[-1])
 
     print(f"{FLAGS.label} on {base['device']} (XLA_FLAGS={base['xla_flags'] or 'none'})")

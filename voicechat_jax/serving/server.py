@@ -720,7 +720,7 @@ class Server:
             # Compile before the clock starts, so that compile time is not a late first beat.
             compiled = self.engine.compile_resident(self._next_beat, self._deliver)
             self.metrics.record_compile("resident_loop", self.engine.compile_s)
-            # One iteration run before the clock too, as the dispatch tick's ``warm``.
+            # Run down every path before the clock too, as the dispatch tick's ``warm``.
             self.metrics.record_compile("warm", self.engine.warm_resident(compiled))
         writer = threading.Thread(target=self._writer_main, name="voicechat-writer", daemon=True)
         writer.start()

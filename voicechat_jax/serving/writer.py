@@ -159,8 +159,8 @@ class _Growing:
         while done < rows.shape[0]:
             last = self._chunks[-1]
             if self._used == last.shape[0]:
-                grow = min(2 * last.shape[0], self._max_rows)
-                self._chunks.append(np.zeros((max(grow, last.shape[0]), *self._tail), self._dtype))
+                grow = min(2 * last.shape[0], self._max_rows)  # no chunk exceeds _max_rows
+                self._chunks.append(np.zeros((grow, *self._tail), self._dtype))
                 self._used, last = 0, self._chunks[-1]
             take = min(rows.shape[0] - done, last.shape[0] - self._used)
             last[self._used : self._used + take] = rows[done : done + take]
