@@ -23,6 +23,7 @@ import pytest
 
 from pallas_kernels.mha_decode_attention import (
     MHABlocks,
+    default_blocks,
     head_pieces,
     mha_decode_attention,
     mha_decode_attention_reference,
@@ -151,6 +152,25 @@ def test_at_the_11b_speech_decoder_length():
     want = REFERENCE(q, k, v, lengths, scale=256.0**-0.5)
     got = KERNEL(q, k, v, lengths, scale=256.0**-0.5, interpret=True, blocks=MHABlocks())
     assert rel_err(got, want) < TOL[(F32, BF16)]
+
+
+@pytest.mark.parametrize("kv_dtype", [F32, BF16])
+def test_default_tiling_follows_the_cache_dtype(kv_dtype):
+    """With no tiling given, the kernel runs the one measured fastest for the cache's dtype
+    (fp32: 64 rows, 32-lane pieces; bf16: 32 rows, 16-lane pieces; H = 72 leaves lanes masked),
+    and its output is the reference's at the cap's length, past a block edge and at 1."""
+    want_blocks = (
+        MHABlocks(block_s=64, piece=32) if kv_dtype == F32 else MHABlocks(block_s=32, piece=16)
+    )
+    assert default_blocks(kv_dtype) == want_blocks
+    assert sum(w for _, w in head_pieces(72, want_blocks.piece)) > 72  # lanes past H masked
+    S, H = 1537, 72
+    lengths = jnp.asarray([1537, 65, 1, 0], jnp.int32)
+    q, k, v = inputs(4, 2, H, S, kv_dtype=kv_dtype, seed=3)
+    want = REFERENCE(q, k, v, lengths, scale=256.0**-0.5)
+    got = KERNEL(q, k, v, lengths, scale=256.0**-0.5, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got[3]), 0.0)
+    assert rel_err(got, want) < TOL[(F32, kv_dtype)]
 
 
 def test_plan_at_11b():

@@ -135,7 +135,8 @@ def attend(
       impl: 'xla', 'cudnn', 'pallas' or 'pallas_mha' (static).
       blocks: the grouped-query kernel's tiling ('pallas', and 'pallas_mha' at G > 1); default
         ``DecodeAttentionBlocks()``.
-      mha_blocks: the G = 1 kernel's tiling ('pallas_mha' at G = 1); default ``MHABlocks()``.
+      mha_blocks: the G = 1 kernel's tiling ('pallas_mha' at G = 1); default
+        ``mha_decode_attention.default_blocks`` for the cache's dtype.
 
     Returns:
       [B, K, G, H] in q's dtype; exactly zero for a slot that sees no row.
