@@ -13,7 +13,7 @@ from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.engine import Engine
-from voicechat_jax.model import voicechat
+from voicechat_jax.model import codec, voicechat
 from voicechat_jax.precision import POLICIES, Precision, policy
 
 CFG = tiny()
@@ -21,7 +21,19 @@ SERVE = ServeConfig(slots=2, frames_per_tick=2, context_frames=16)
 
 
 def test_policies_by_name():
-    assert set(POLICIES) == {"reference", "fp32", "tf32", "bf16_tts_kv", "tf32_bf16_tts_kv"}
+    assert set(POLICIES) == {
+        "reference",
+        "fp32",
+        "tf32",
+        "bf16_tts_kv",
+        "tf32_bf16_tts_kv",
+        "tf32_codec",
+        "bf16_tts_kv_tf32_codec",
+    }
+    assert policy("tf32_codec") == Precision(codec_matmul="tensorfloat32")
+    assert policy("bf16_tts_kv_tf32_codec") == Precision(
+        tts_kv=jnp.bfloat16, codec_matmul="tensorfloat32"
+    )
     assert policy("reference") == Precision.reference()
     assert policy("tf32").matmul == "tensorfloat32"
     assert policy("bf16_tts_kv").tts_kv == jnp.bfloat16
@@ -30,6 +42,8 @@ def test_policies_by_name():
         policy("fp8")
     with pytest.raises(ValueError, match="matmul must be one of"):
         Precision(matmul="bfloat16")
+    with pytest.raises(ValueError, match="codec_matmul must be one of"):
+        Precision(codec_matmul="bfloat16")
 
 
 def test_the_policy_lives_in_serve_config():
@@ -63,6 +77,30 @@ def test_the_policy_reaches_the_tick():
     assert n_fast > 0  # the codec's and the SSM's explicit HIGHEST products
     assert n_faithful > n_fast
     assert "HIGH," in fast or "HIGH]" in fast
+
+
+def test_tf32_codec_reaches_only_the_codec_decoder():
+    """``tf32_codec``: the codec decoder's products are lowered at HIGH (TF32 on a GPU), every
+    other fp32 product of the tick stays at HIGHEST; ``decode_step`` alone has no HIGHEST left,
+    and the codec's encoder (whose nearest-neighbour search flips codes under TF32) keeps it."""
+    faithful = _lowered_tick(Precision.reference())
+    codec_tf32 = _lowered_tick(Precision.tf32_codec())
+    assert "HIGH," not in faithful
+    assert "HIGH]" not in faithful
+    n_high = codec_tf32.count("HIGH,") + codec_tf32.count("HIGH]")
+    assert n_high > 0
+    assert faithful.count("HIGHEST") - codec_tf32.count("HIGHEST") == n_high  # 2 per product each
+    p = jax.eval_shape(lambda: codec.init(jax.random.key(0), CFG.codec, Precision.reference()))
+    st = codec.init_state(CFG.codec, 2, Precision.reference())
+    codes = jnp.zeros((2, 1, CFG.codec.n_quantizers), jnp.int32)
+    decode = jax.jit(codec.decode_step, static_argnames=("cfg", "matmul"))
+    lowered = decode.lower(p, st, codes, cfg=CFG.codec, matmul="tensorfloat32").as_text()
+    assert "HIGHEST" not in lowered
+    assert "HIGH" in lowered
+    encode = jax.jit(codec.encode_latent_to_codes).lower(
+        p, jnp.zeros((2, 1, CFG.codec.latent_size))
+    )
+    assert "HIGHEST" in encode.as_text()
 
 
 def test_bf16_speech_decoder_kv_serves():

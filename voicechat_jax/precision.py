@@ -15,8 +15,17 @@ on the CPU (always fp32) and nothing for bf16 products (the LLM).
 Policies beside the faithful default, for capacity (each measured for its deviation and speed):
 ``tf32()`` (TF32 products in the encoder and the speech decoder; the codec's and the SSM's
 products keep their explicit ``HIGHEST``), ``bf16_tts_kv()`` (the speech
-decoder's KV cache, the largest per-session state, stored in bf16: half its bytes), and
-``tf32_bf16_tts_kv()`` (both).
+decoder's KV cache, the largest per-session state, stored in bf16: half its bytes),
+``tf32_bf16_tts_kv()`` (both), ``tf32_codec()`` (TF32 products in the codec's decoder only) and
+``bf16_tts_kv_tf32_codec()``.
+
+The codec's decoder turns the sampled codes into the waveform and nothing else: no token, code or
+state of the model passes through it, so TF32 there moves the audio only (about 1e-3 relative on
+an H200, ``model.codec``) and can never change what the model says. Its products are the tick's
+largest compute: 2.5 GFLOP per session-frame at the release's sizes (XLA's cost analysis), run
+in full fp32 on the GPU's vector units, 3.2 ms a frame-step at 16 sessions and 5.7 at 32 on an
+H200 (``experiments/beat_profile``). The codec's encoder, whose nearest-neighbour search flips
+codes under TF32, keeps ``HIGHEST`` in every policy.
 """
 
 from __future__ import annotations
@@ -42,10 +51,12 @@ class Precision:
     tts_kv: jnp.dtype = jnp.float32  # EarTTS backbone KV cache (the largest per-session state)
     codec: jnp.dtype = jnp.float32  # RVQ-VAE codec
     matmul: str = "float32"  # fp32 products: 'float32' (as torch) | 'tensorfloat32' (TF32 on GPUs)
+    codec_matmul: str = "float32"  # the codec decoder's products (the waveform only), as ``matmul``
 
     def __post_init__(self):
-        if self.matmul not in MATMUL:
-            raise ValueError(f"matmul must be one of {MATMUL}: {self.matmul!r}")
+        for field in ("matmul", "codec_matmul"):
+            if getattr(self, field) not in MATMUL:
+                raise ValueError(f"{field} must be one of {MATMUL}: {getattr(self, field)!r}")
 
     def scope(self):
         """The context in which the engine traces its programs (``jax.default_matmul_precision``).
@@ -80,6 +91,24 @@ class Precision:
         """TF32 products and a bf16 speech-decoder KV cache."""
         return cls(matmul="tensorfloat32", tts_kv=jnp.bfloat16)
 
+    @classmethod
+    def tf32_codec(cls) -> Precision:
+        """The reference policy with TF32 products in the codec's decoder (the waveform only)."""
+        return cls(codec_matmul="tensorfloat32")
+
+    @classmethod
+    def bf16_tts_kv_tf32_codec(cls) -> Precision:
+        """A bf16 speech-decoder KV cache and TF32 products in the codec's decoder."""
+        return cls(tts_kv=jnp.bfloat16, codec_matmul="tensorfloat32")
+
+
+def lax_precision(matmul: str) -> jax.lax.Precision:
+    """The explicit ``precision=`` of a product under a ``MATMUL`` choice: 'float32' is
+    ``HIGHEST`` (full fp32), 'tensorfloat32' ``HIGH`` (TF32 inputs on a GPU; fp32 on the CPU)."""
+    if matmul not in MATMUL:
+        raise ValueError(f"matmul must be one of {MATMUL}: {matmul!r}")
+    return jax.lax.Precision.HIGHEST if matmul == "float32" else jax.lax.Precision.HIGH
+
 
 POLICIES = {
     "reference": Precision.reference,
@@ -87,6 +116,8 @@ POLICIES = {
     "tf32": Precision.tf32,
     "bf16_tts_kv": Precision.bf16_tts_kv,
     "tf32_bf16_tts_kv": Precision.tf32_bf16_tts_kv,
+    "tf32_codec": Precision.tf32_codec,
+    "bf16_tts_kv_tf32_codec": Precision.bf16_tts_kv_tf32_codec,
 }
 
 

@@ -24,7 +24,11 @@ from voicechat_jax.serving import audio as audio_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "tiny", "Preset: tiny | voicechat_11b.")
-flags.DEFINE_list("policies", ["reference", "tf32", "bf16_tts_kv", "tf32_bf16_tts_kv"], "Policies.")
+flags.DEFINE_list(
+    "policies",
+    "reference,tf32,bf16_tts_kv,tf32_bf16_tts_kv,tf32_codec,bf16_tts_kv_tf32_codec",
+    "Policies.",
+)
 flags.DEFINE_integer("frames", 120, "Frames per session (>= 100).")
 flags.DEFINE_integer("sessions", 2, "Sessions (slots) per run.")
 flags.DEFINE_string("out", None, "JSON-lines output file.")

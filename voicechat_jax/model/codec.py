@@ -32,7 +32,9 @@ mantissa): measured on an H200 (jax 0.11.2, full-size random weights) the wavefo
 1e-3 relative and the latent by 1e-3, and 7 of 4712 codes of a random clip flip at the encoder's
 residual nearest-neighbour search (near ties compound over 31 codebooks), where HIGHEST matches
 the CPU to 3e-6 with identical codes. NeMo keeps the codec in full fp32 the same way
-(``disable_tf32()`` around encode/decode). On the CPU HIGHEST costs nothing.
+(``disable_tf32()`` around encode/decode). On the CPU HIGHEST costs nothing. The one exception is
+``decode_step``'s ``matmul`` (the ``tf32_codec`` policies): its products only make the waveform,
+so TF32 there cannot flip a code.
 
 Layouts (torch -> ours, see ``voicechat_jax.keys.codec``): Conv1d weights use the project's
 CONV1D layout ``[k, in, out]`` (so the k1 convs keep a leading axis of 1), the depthwise ones
@@ -57,7 +59,7 @@ from flax import struct
 
 from voicechat_jax.config import CodecConfig
 from voicechat_jax.model.common import fan_in_normal, layer_norm, normal
-from voicechat_jax.precision import Precision
+from voicechat_jax.precision import Precision, lax_precision
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _LN_EPS = 1e-6  # LayerNormNd default
@@ -283,35 +285,38 @@ def encode_latent_to_codes(params: CodecParams, latent: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 
-def _pointwise(x: jax.Array, w: jax.Array) -> jax.Array:
+def _pointwise(x: jax.Array, w: jax.Array, prec: jax.lax.Precision = _HIGHEST) -> jax.Array:
     """A k1 Conv1d, x [B, T, C_in], w [1, C_in, C_out] -> [B, T, C_out]."""
-    return jnp.einsum("btc,co->bto", x, w[0].astype(x.dtype), precision=_HIGHEST)
+    return jnp.einsum("btc,co->bto", x, w[0].astype(x.dtype), precision=prec)
 
 
-def _convnext(p: ConvNeXtParams, x: jax.Array, tail: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _convnext(
+    p: ConvNeXtParams, x: jax.Array, tail: jax.Array, prec: jax.lax.Precision = _HIGHEST
+) -> tuple[jax.Array, jax.Array]:
     """One ``ConvNeXt1d``, one block's slice of the stack (no ``L`` axis).
 
     x [B, T, C]; tail [B, k - 1, C] the block's previous inputs (zeros at a stream's start, as
-    the offline left padding). Returns (output [B, T, C], new tail [B, k - 1, C]).
+    the offline left padding); ``prec`` its products' precision. Returns (output [B, T, C], new
+    tail [B, k - 1, C]).
     """
     k, T = p.dw.shape[0], x.shape[1]
     xp = jnp.concatenate([tail.astype(x.dtype), x], axis=1)  # [B, T + k - 1, C]
     h = p.dw_b.astype(x.dtype) + sum(xp[:, j : j + T] * p.dw[j].astype(x.dtype) for j in range(k))
     h = layer_norm(h, p.norm_w, p.norm_b, _LN_EPS)
-    h = _pointwise(h, p.pw1) + p.pw1_b.astype(x.dtype)
+    h = _pointwise(h, p.pw1, prec) + p.pw1_b.astype(x.dtype)
     h = jax.nn.gelu(h, approximate=False)  # torch nn.GELU(): erf
-    h = _pointwise(h, p.pw2) + p.pw2_b.astype(x.dtype)
+    h = _pointwise(h, p.pw2, prec) + p.pw2_b.astype(x.dtype)
     return x + h, xp[:, T:]
 
 
 def _convnext_stack(
-    blocks: ConvNeXtParams, x: jax.Array, tails: jax.Array
+    blocks: ConvNeXtParams, x: jax.Array, tails: jax.Array, prec: jax.lax.Precision = _HIGHEST
 ) -> tuple[jax.Array, jax.Array]:
     """A stage's blocks in order. x [B, T, C], tails [B, L, k - 1, C] -> (x, new tails)."""
 
     def body(h, layer):
         p, tail = layer
-        h, tail = _convnext(p, h, tail)
+        h, tail = _convnext(p, h, tail, prec)
         return h, tail
 
     x, new = jax.lax.scan(body, x, (blocks, jnp.moveaxis(tails, 1, 0)))
@@ -365,20 +370,25 @@ def _envelope(n_frames: int, cfg: CodecConfig, dtype) -> jax.Array:
 
 
 def _decoder_trunk(
-    dec: DecoderParams, latent: jax.Array, tails: tuple[jax.Array, ...]
+    dec: DecoderParams,
+    latent: jax.Array,
+    tails: tuple[jax.Array, ...],
+    prec: jax.lax.Precision = _HIGHEST,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """latent [B, T, D] -> (mag/phase logits [B, N, 2R], new tails); N = T * prod(rates)."""
     x, new_tails = latent, []
     for stage, tail in zip(dec.stages, tails, strict=True):
         _, C, r = stage.up.shape
-        y = jnp.einsum("btc,cor->btro", x, stage.up.astype(x.dtype), precision=_HIGHEST)
+        y = jnp.einsum("btc,cor->btro", x, stage.up.astype(x.dtype), precision=prec)
         x = y.reshape(x.shape[0], x.shape[1] * r, C)  # kernel = stride: k outputs per input step
-        x, tail = _convnext_stack(stage.blocks, x, tail)
+        x, tail = _convnext_stack(stage.blocks, x, tail, prec)
         new_tails.append(tail)
-    return _pointwise(x, dec.out), tuple(new_tails)
+    return _pointwise(x, dec.out, prec), tuple(new_tails)
 
 
-def _synth_frames(logits: jax.Array, cfg: CodecConfig) -> jax.Array:
+def _synth_frames(
+    logits: jax.Array, cfg: CodecConfig, prec: jax.lax.Precision = _HIGHEST
+) -> jax.Array:
     """``Latent2Wav``'s spectrum head and per-frame inverse FFT: [B, N, 2R] -> [B, N, W].
 
     mag = 100·exp(-softplus(-m + ln 100)); spectrum mag·(cos φ, sin φ); irfft; clamp to ±window
@@ -390,8 +400,8 @@ def _synth_frames(logits: jax.Array, cfg: CodecConfig) -> jax.Array:
     cos_m, sin_m = _irfft_basis(cfg.n_fft)
     dt = logits.dtype
     frames = jnp.einsum(
-        "bnr,rw->bnw", mag * jnp.cos(ph), jnp.asarray(cos_m, dt), precision=_HIGHEST
-    ) + jnp.einsum("bnr,rw->bnw", mag * jnp.sin(ph), jnp.asarray(sin_m, dt), precision=_HIGHEST)
+        "bnr,rw->bnw", mag * jnp.cos(ph), jnp.asarray(cos_m, dt), precision=prec
+    ) + jnp.einsum("bnr,rw->bnw", mag * jnp.sin(ph), jnp.asarray(sin_m, dt), precision=prec)
     w = jnp.asarray(_hann(cfg.n_fft), dt)
     frames = jnp.where(frames >= 0, jnp.minimum(frames, w), jnp.maximum(frames, -w))
     return frames * w
@@ -424,7 +434,12 @@ def decode_offline(params: CodecParams, codes: jax.Array, *, cfg: CodecConfig) -
 
 
 def decode_step(
-    params: CodecParams, state: CodecState, codes: jax.Array, *, cfg: CodecConfig
+    params: CodecParams,
+    state: CodecState,
+    codes: jax.Array,
+    *,
+    cfg: CodecConfig,
+    matmul: str = "float32",
 ) -> tuple[CodecState, jax.Array]:
     """Decode the next ``T`` code frames of each slot's stream.
 
@@ -432,12 +447,15 @@ def decode_step(
     (valid ids, control codes already replaced by silence) -> (state, wav [B, T * spf]), spf =
     ``cfg.samples_per_frame`` (1764).
     One call of T frames equals T calls of one frame. The output is the offline decode delayed by
-    8 samples (see the module docstring).
+    8 samples (see the module docstring). ``matmul`` (static, ``Precision.codec_matmul``): the
+    decoder's products in full fp32 ('float32', NeMo's ``disable_tf32``) or TF32
+    ('tensorfloat32'); only the waveform depends on it.
     """
     _check_cfg(cfg)
+    prec = lax_precision(matmul)
     latent = codes_to_latent(params, codes).astype(state.istft.dtype)
-    logits, conv = _decoder_trunk(params.decoder, latent, state.conv)
-    frames = jnp.concatenate([state.istft, _synth_frames(logits, cfg)], axis=1)  # [B, S + N, W]
+    logits, conv = _decoder_trunk(params.decoder, latent, state.conv, prec)
+    frames = jnp.concatenate([state.istft, _synth_frames(logits, cfg, prec)], axis=1)
     S = state.istft.shape[1]
     hop = cfg.hop_length
     # spec_to_wav trims (n_fft - hop) // 2 each side, then Latent2Wav trims (S // 2) * hop more.

@@ -244,7 +244,11 @@ def advance(
     carry, (text, func, codes, dec_codes) = jax.lax.scan(one, carry, jnp.swapaxes(proj, 0, 1))
     llm_state, tts_state, text_prev, func_prev, frame = carry
     codec_state, wav = codec.decode_step(
-        params.codec, state.codec, jnp.swapaxes(dec_codes, 0, 1), cfg=cfg.codec
+        params.codec,
+        state.codec,
+        jnp.swapaxes(dec_codes, 0, 1),
+        cfg=cfg.codec,
+        matmul=precision.codec_matmul,
     )
     codec_state = keep_rows(run, codec_state, state.codec)
     new_state = FrameState(
@@ -326,7 +330,9 @@ def initial_state(
             tts_s, _, dec = ear_tts.tts_step(
                 params.tts, tts_s, pad, keys, cfg=cfg, deterministic=deterministic
             )
-            codec_s, _ = codec.decode_step(params.codec, codec_s, dec[:, None], cfg=cfg.codec)
+            codec_s, _ = codec.decode_step(
+                params.codec, codec_s, dec[:, None], cfg=cfg.codec, matmul=precision.codec_matmul
+            )
             return (tts_s, codec_s), None
 
         (tts_state, codec_state), _ = jax.lax.scan(

@@ -34,9 +34,10 @@ part of it (no JAX):
   at least one beat below the cap). ``decide`` rolls a session over between the thresholds when
   both sides have been silent for ``pause_frames`` frames, and at the hard threshold regardless.
   ``plan`` picks a beat's roll-overs from all its sessions: at most ``max_per_beat`` of them,
-  because each one costs the whole beat a prefill of U positions (+17 ms per roll-over at 16 and
-  at 56 sessions on an H200 with the 11B preset, ``experiments/rollover_cost``: 16 in one beat
-  took it from 67 to 347 ms). Sessions that started together would otherwise reach the hard
+  because each one with a capsule costs the whole beat a prefill of U positions (on an H200 with
+  the 11B preset, ``experiments/rollover_cost``: +10.6 ms a roll-over at 16 sessions with the
+  staged tick, 16 in one beat took it from 75 to 258 ms; an empty capsule skips the prefill,
+  +0.8 ms). Sessions that started together would otherwise reach the hard
   threshold together; ``plan`` spreads them, rolling one early ("spread", between the thresholds)
   whenever those past the soft threshold could not all be rolled by the hard one at
   ``max_per_beat`` a beat. The ``rollover`` mode has no host side: sessions that reach the cap in
