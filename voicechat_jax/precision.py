@@ -22,9 +22,10 @@ decoder's KV cache, the largest per-session state, stored in bf16: half its byte
 The codec's decoder turns the sampled codes into the waveform and nothing else: no token, code or
 state of the model passes through it, so TF32 there moves the audio only (about 1e-3 relative on
 an H200, ``model.codec``) and can never change what the model says. Its products are the tick's
-largest compute: 2.5 GFLOP per session-frame at the release's sizes (XLA's cost analysis), run
-in full fp32 on the GPU's vector units, 3.2 ms a frame-step at 16 sessions and 5.7 at 32 on an
-H200 (``experiments/beat_profile``). The codec's encoder, whose nearest-neighbour search flips
+largest compute: 5.9 GFLOP per session-frame at the release's sizes (the pointwise products of
+its nine ConvNeXt blocks, at 9, 63 and 441 steps a frame), run in full fp32 on the GPU's vector
+units: 3.2 ms a frame-step at 16 sessions and 5.7 at 32 on an H200 (``experiments/beat_profile``),
+about 33 TFLOP/s. The codec's encoder, whose nearest-neighbour search flips
 codes under TF32, keeps ``HIGHEST`` in every policy.
 """
 
