@@ -14,7 +14,7 @@ from voicechat_jax import step as step_lib
 from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.engine import Engine
 from voicechat_jax.model import codec, voicechat
-from voicechat_jax.precision import POLICIES, Precision, policy
+from voicechat_jax.precision import POLICIES, Precision, lax_precision, policy
 
 CFG = tiny()
 SERVE = ServeConfig(slots=2, frames_per_tick=2, context_frames=16)
@@ -44,6 +44,21 @@ def test_policies_by_name():
         Precision(matmul="bfloat16")
     with pytest.raises(ValueError, match="codec_matmul must be one of"):
         Precision(codec_matmul="bfloat16")
+    assert Precision(codec_matmul="tf32_x3").codec_matmul == "tf32_x3"
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        Precision(matmul="tf32_x3")  # multi-pass products: the codec's decoder only
+
+
+def test_lax_precision_per_platform():
+    """The codec's product precision: a ``DotAlgorithmPreset`` on a GPU, full fp32 elsewhere."""
+    H = jax.lax.Precision
+    assert lax_precision("float32") == H.HIGHEST
+    assert lax_precision("tensorfloat32") == H.HIGH
+    assert lax_precision("tf32_x3", "cpu") == H.HIGHEST
+    assert lax_precision("tf32_x3", "gpu") == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    assert lax_precision("bf16_x6", "gpu") == jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        lax_precision("fp8")
 
 
 def test_the_policy_lives_in_serve_config():

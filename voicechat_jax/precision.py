@@ -37,6 +37,11 @@ import jax
 import jax.numpy as jnp
 
 MATMUL = ("float32", "tensorfloat32")
+# The codec decoder's products may also run as several tensor-core passes that together keep
+# about fp32's accuracy (``jax.lax.DotAlgorithmPreset``): 'tf32_x3' (three TF32 products),
+# 'bf16_x6' (six bf16 products). On a platform without them (the CPU) they are full fp32.
+CODEC_MATMUL = (*MATMUL, "tf32_x3", "bf16_x6")
+_PRESETS = {"tf32_x3": "TF32_TF32_F32_X3", "bf16_x6": "BF16_BF16_F32_X6"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +57,12 @@ class Precision:
     tts_kv: jnp.dtype = jnp.float32  # EarTTS backbone KV cache (the largest per-session state)
     codec: jnp.dtype = jnp.float32  # RVQ-VAE codec
     matmul: str = "float32"  # fp32 products: 'float32' (as torch) | 'tensorfloat32' (TF32 on GPUs)
-    codec_matmul: str = "float32"  # the codec decoder's products (the waveform only), as ``matmul``
+    codec_matmul: str = "float32"  # the codec decoder's products (the waveform only): CODEC_MATMUL
 
     def __post_init__(self):
-        for field in ("matmul", "codec_matmul"):
-            if getattr(self, field) not in MATMUL:
-                raise ValueError(f"{field} must be one of {MATMUL}: {getattr(self, field)!r}")
+        for field, choices in (("matmul", MATMUL), ("codec_matmul", CODEC_MATMUL)):
+            if getattr(self, field) not in choices:
+                raise ValueError(f"{field} must be one of {choices}: {getattr(self, field)!r}")
 
     def scope(self):
         """The context in which the engine traces its programs (``jax.default_matmul_precision``).
@@ -103,11 +108,19 @@ class Precision:
         return cls(tts_kv=jnp.bfloat16, codec_matmul="tensorfloat32")
 
 
-def lax_precision(matmul: str) -> jax.lax.Precision:
-    """The explicit ``precision=`` of a product under a ``MATMUL`` choice: 'float32' is
-    ``HIGHEST`` (full fp32), 'tensorfloat32' ``HIGH`` (TF32 inputs on a GPU; fp32 on the CPU)."""
-    if matmul not in MATMUL:
-        raise ValueError(f"matmul must be one of {MATMUL}: {matmul!r}")
+def lax_precision(matmul: str, platform: str | None = None):
+    """The explicit ``precision=`` of a product under a ``CODEC_MATMUL`` choice (static).
+
+    'float32' is ``HIGHEST`` (full fp32); 'tensorfloat32' ``HIGH`` (TF32 inputs on a GPU, fp32 on
+    the CPU); 'tf32_x3' and 'bf16_x6' are ``DotAlgorithmPreset`` s on a GPU and ``HIGHEST``
+    elsewhere. ``platform``: the backend the product is traced for (default: JAX's default).
+    """
+    if matmul not in CODEC_MATMUL:
+        raise ValueError(f"matmul must be one of {CODEC_MATMUL}: {matmul!r}")
+    if matmul in _PRESETS:
+        if (platform or jax.default_backend()) == "gpu":
+            return getattr(jax.lax.DotAlgorithmPreset, _PRESETS[matmul])
+        return jax.lax.Precision.HIGHEST
     return jax.lax.Precision.HIGHEST if matmul == "float32" else jax.lax.Precision.HIGH
 
 

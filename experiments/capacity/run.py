@@ -15,6 +15,7 @@ worst case of a full two-minute context on every tick. Rows go to ``--out`` as J
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -23,12 +24,18 @@ from absl import app, flags
 from experiments.beat_latency import run as beat_latency
 from voicechat_jax import config as config_lib
 from voicechat_jax.engine import Engine
-from voicechat_jax.precision import policy
+from voicechat_jax.precision import CODEC_MATMUL, policy
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("policies", ["reference"], "Precision policies (voicechat_jax.precision).")
 flags.DEFINE_integer("probe_ticks", 20, "Back-to-back ticks timed before serving a point.")
 flags.DEFINE_integer("baseline_ticks", 200, "Ticks timed for the batch-1 baseline (0: skip).")
+flags.DEFINE_enum(
+    "codec_matmul",
+    None,
+    list(CODEC_MATMUL),
+    "The codec decoder's products (Precision.codec_matmul) in every policy (default: its own).",
+)
 
 WEIGHTS_GB = 26.0  # bf16 LLM + fp32 rest, read once per frame-step (serving-spec §3)
 SESSION_GB = 1.1  # per session per frame-step at the 1,500-frame cap (serving-spec §3)
@@ -66,12 +73,15 @@ def main(argv):
     rows = []
     for name in FLAGS.policies:
         precision = policy(name)
+        if FLAGS.codec_matmul:
+            precision = dataclasses.replace(precision, codec_matmul=FLAGS.codec_matmul)
+        tag = {"policy": name, "codec_matmul": precision.codec_matmul}
         params = beat_latency.init_params(cfg, precision)
         template = None
         if FLAGS.baseline_ticks:
             template = beat_latency.make_engine(params, cfg, precision, 1).template
             row = baseline(params, cfg, precision, template, FLAGS.baseline_ticks)
-            row["policy"] = name
+            row |= tag
             beat_latency.write_row(row)
             rows.append(row)
         for n in (int(x) for x in FLAGS.sessions):
@@ -79,7 +89,7 @@ def main(argv):
                 engine = beat_latency.make_engine(params, cfg, precision, n, template)
             except Exception as e:  # a count that does not fit is a result
                 beat_latency.write_row(
-                    {"kind": "error", "policy": name, "sessions": n, "error": str(e)[:300]}
+                    {"kind": "error", **tag, "sessions": n, "error": str(e)[:300]}
                 )
                 continue
             template = engine.template
@@ -89,7 +99,7 @@ def main(argv):
             floor_ms = 2 * (WEIGHTS_GB + SESSION_GB * n) / 3.7  # two frame-steps at 3.7 TB/s
             point = {
                 "kind": "probe",
-                "policy": name,
+                **tag,
                 "sessions": n,
                 "tick_ms_p50": beat_ms,
                 "tick_ms_max": float(times.max()),
@@ -103,7 +113,7 @@ def main(argv):
                 del engine
                 continue  # it cannot hold at its median: no need to serve it
             for loop in FLAGS.loops:
-                row = beat_latency.measure(engine, loop) | {"kind": "serve", "policy": name}
+                row = beat_latency.measure(engine, loop) | {"kind": "serve", **tag}
                 beat_latency.write_row(row)
                 rows.append(row)
             engine.state = None
