@@ -75,7 +75,15 @@ def main(argv):
         precision = policy(name)
         if FLAGS.codec_matmul:
             precision = dataclasses.replace(precision, codec_matmul=FLAGS.codec_matmul)
-        tag = {"policy": name, "codec_matmul": precision.codec_matmul}
+        tag = {  # every row of this policy says which configuration it measured
+            "policy": name,
+            "codec_matmul": precision.codec_matmul,
+            "ssm_kernel": FLAGS.ssm_kernel,
+            "attention": FLAGS.attention,
+            "tts_attention": FLAGS.tts_attention or FLAGS.attention,
+            "projection": FLAGS.projection,
+            "hold_full": FLAGS.hold_full,
+        }
         params = beat_latency.init_params(cfg, precision)
         template = None
         if FLAGS.baseline_ticks:

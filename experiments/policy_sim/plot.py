@@ -25,7 +25,9 @@ def plot(rows: list[dict], path: str) -> None:
     a.plot([r["slots"] for r in fit], [2 * r["measured_ms"] for r in fit], "o", label="measured")
     a.plot(bs, [2 * (m["a_ms"] + (m["b_ms"] + m["c_ms"]) * b) for b in bs], "-", label="fit")
     a.axhline(160, color="grey", lw=0.8, ls="--")
-    a.set(xlabel="slots B", ylabel="tick device ms (2 frames)", title="step cost, cap 1,500")
+    rows_of = {"capacity": "capacity rows, x = 1", "beat_profile": "beat_profile rows"}
+    title = f"step cost, cap 1,500 ({rows_of.get(m.get('source', 'beat_profile'))})"
+    a.set(xlabel="slots B", ylabel="tick device ms (2 frames)", title=title)
     a.legend()
 
     a = ax[0, 1]

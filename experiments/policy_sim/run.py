@@ -1,15 +1,19 @@
 """Batching-policy simulator: fit, validate against the H200 serving rows, then use it.
 
-Fits the step-cost and tail models (``sim.py``) to ``experiments/beat_profile``'s rows, checks the
-simulated lockstep server against the real one, compares policies (lockstep, batch-1 stepping,
-request-style batching with a window) at fixed loads, serves an hour of Poisson calls, and sketches
-several GPUs behind a router. Writes raw rows (JSON lines) and a PNG; prints short tables last.
-See README.md beside this file. Host only: no device is used.
+Fits the step-cost and tail models (``sim.py``) to H200 rows, checks the simulated lockstep server
+against the real one, compares policies (lockstep, batch-1 stepping, request-style batching with a
+window) at fixed loads, serves an hour of Poisson calls, and sketches several GPUs behind a router.
+Writes raw rows (JSON lines) and a PNG; prints short tables last. ``--fit`` picks the rows:
+``capacity`` (default: the current engine's ``experiments/capacity`` rows, ``sim.fit_capacity``)
+or ``beat_profile`` (the older engine's ``experiments/beat_profile`` rows, ``sim.fit_h200``: the
+README's historical section). See README.md beside this file. Host only: no device is used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import pathlib
 
@@ -21,18 +25,42 @@ _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 
 FLAGS = flags.FLAGS
+flags.DEFINE_enum(
+    "fit",
+    "capacity",
+    ["capacity", "beat_profile"],
+    "Rows the models are fitted to: 'capacity' (--capacity_rows: the current engine's batch-1 "
+    "baseline, hold_full probes and serving rows) or 'beat_profile' (--profile_rows: the older "
+    "engine's tick and serving rows).",
+)
+flags.DEFINE_string(
+    "capacity_rows",
+    str(_REPO / "experiments/capacity/results/h200_reference.jsonl"),
+    "capacity rows: kind=baseline, probe and serve (only hold_full runs are used).",
+)
 flags.DEFINE_string(
     "profile_rows",
     str(_REPO / "experiments/beat_profile/results/h200_voicechat_11b.jsonl"),
-    "beat_profile rows: kind=tick, serve and component.",
+    "beat_profile rows: kind=tick, serve and component (the components' byte share is used by "
+    "both fits).",
 )
 flags.DEFINE_string(
     "latency_rows",
     str(_REPO / "experiments/beat_latency/results/h200_voicechat_11b.jsonl"),
     "Older beat_latency rows (cap 256), for the context check only.",
 )
-flags.DEFINE_string("out", str(_HERE / "results/rows.jsonl"), "JSON-lines output (overwritten).")
-flags.DEFINE_string("plot", str(_HERE / "policy_sim.png"), "PNG output ('' for none).")
+flags.DEFINE_string(
+    "out",
+    None,
+    "JSON-lines output (overwritten); default results/rows_current.jsonl for --fit=capacity, "
+    "results/rows.jsonl for --fit=beat_profile.",
+)
+flags.DEFINE_string(
+    "plot",
+    None,
+    "PNG output ('' for none); default policy_sim_current.png for --fit=capacity, policy_sim.png "
+    "for --fit=beat_profile.",
+)
 flags.DEFINE_integer("validate_ticks", 200, "Steady ticks per validation run (as measured).")
 flags.DEFINE_integer("seeds", 5, "Seeds per validation and capacity run.")
 flags.DEFINE_integer("capacity_beats", 500, "Beats per capacity probe.")
@@ -46,6 +74,10 @@ flags.DEFINE_list("gpus", ["1", "2", "4", "8"], "Engine counts for the several-G
 flags.DEFINE_list("windows_ms", ["0", "20", "60"], "Request-batching windows.")
 
 
+_DEFAULT_OUT = {"capacity": "results/rows_current.jsonl", "beat_profile": "results/rows.jsonl"}
+_DEFAULT_PLOT = {"capacity": "policy_sim_current.png", "beat_profile": "policy_sim.png"}
+
+
 def _rows(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -54,6 +86,42 @@ def _rows(path: str) -> list[dict]:
 def _mean_summary(runs: list[dict]) -> dict:
     keys = ("p50_ms", "p99_ms", "max_ms", "missed", "miss_rate", "busy_gpu_s_per_conv_h")
     return {k: float(np.mean([r[k] for r in runs])) for k in keys}
+
+
+def _p999(real: dict, runs: list[sim.Result]) -> dict:
+    """The real row's p99.9 (where it has one) beside the simulated one (mean over seeds)."""
+    if "p99.9_ms" not in real:
+        return {}
+    sim_p = [float(np.nanpercentile(x.latency_ms, 99.9)) for x in runs]
+    return {"real_p99.9_ms": real["p99.9_ms"], "sim_p99.9_ms": float(np.mean(sim_p))}
+
+
+def _capacity_extras(fit: sim.H200Fit, caps: dict, seeds, n_beats: int, emit) -> None:
+    """Beside the capacity fit: lockstep capacity with the largest host overhead a serving row
+    shows (its p50 minus its probe: a pessimistic bound, the host's share having grown at the top
+    row), and the batch-1 capacity against the measured baselines' ``160 // p99`` rule."""
+    own = {r["sessions"]: r["p50_ms"] - fit.tick_of[r["sessions"]]
+           for r in fit.serves if r["sessions"] in fit.tick_of}  # fmt: skip
+    n_worst = max(own, key=own.get)
+    t = dataclasses.replace(fit.quiet, host_ms=own[n_worst])
+
+    def run_at(n: int) -> list[dict]:
+        return seeds(lambda g: sim.simulate_lockstep(fit.cost, n_beats, n, slots=n, tail=t, rng=g))
+
+    c = capacity(run_at)
+    at = _mean_summary(run_at(c)) if c else {}
+    emit({"kind": "capacity", "policy": "lockstep_host_max", "capacity": c,
+          "host_ms": own[n_worst], "host_from_sessions": n_worst,
+          "held_gpu_s_per_conv_h": 3600.0 / c if c else None,
+          "p99_at_capacity_ms": at.get("p99_ms"),
+          "busy_gpu_s_per_conv_h": at.get("busy_gpu_s_per_conv_h")})  # fmt: skip
+    for r in (r for r in fit.ticks if r["kind"] == "baseline"):
+        model_p99 = fit.cost.tick_ms(1) + fit.tail.p99_minus_p50_ms(1)
+        emit({"kind": "baseline_check", "commit": r.get("commit"), "measured_p50_ms": r["ms_p50"],
+              "measured_p99_ms": r["ms_p99"], "measured_held": r["sessions_held"],
+              "rule_held": int(sim.BEAT_MS // r["ms_p99"]), "fit_tick_ms": fit.cost.tick_ms(1),
+              "model_p99_ms": model_p99, "model_rule_held": int(sim.BEAT_MS // model_p99),
+              "sim_batch1_capacity": caps["batch1"]})  # fmt: skip
 
 
 def capacity(run_at, start: int = 1, stop: int = 256) -> int:
@@ -74,65 +142,77 @@ def main(argv):
         rows_out.append(row)
 
     prof = _rows(FLAGS.profile_rows)
-    ticks = sorted((r for r in prof if r["kind"] == "tick"), key=lambda r: r["slots"])
-    serves = sorted((r for r in prof if r["kind"] == "serve"), key=lambda r: r["sessions"])
-    comps = [r for r in prof if r["kind"] == "component"]
-    B = [r["slots"] for r in ticks]
-    y = [r["ms_per_frame_step"] for r in ticks]
+    if FLAGS.fit == "beat_profile":
+        fit = sim.fit_h200(prof)
+    else:
+        comps = [r for r in prof if r["kind"] == "component"]
+        fit = sim.fit_capacity(_rows(FLAGS.capacity_rows), comps)
+    cost, tail = fit.cost, fit.tail
+    B = [b for b, _ in fit.step_points]
+    y = [m for _, m in fit.step_points]
 
     # 1. Step-cost model and its leave-one-out error.
-    share = sim.context_share(comps)
-    cost = sim.fit_step_cost(B, y, context_share=share)
+    share = fit.share
     loo = sim.leave_one_out(B, y, context_share=share)
-    emit({"kind": "model", "context_share": share, **vars(cost)} | {"frames_per_tick": 2})
-    for b, m, p in zip(B, y, loo, strict=True):
+    emit({"kind": "model", "source": fit.source, "context_share": share, **vars(cost)}
+         | {"frames_per_tick": 2})  # fmt: skip
+    for row, b, m, p in zip(fit.ticks, B, y, loo, strict=True):
+        capacity_row = fit.source == "capacity"
+        where = {"row": row["kind"], "commit": row.get("commit")} if capacity_row else {}
         emit({"kind": "fit", "slots": b, "measured_ms": m, "fit_ms": cost.frame_step_ms(b),
-              "loo_ms": p})  # fmt: skip
+              "loo_ms": p, **where})  # fmt: skip
 
-    # Context check against the older cap-256 serving rows (an older engine: indicative only).
-    for r in (r for r in _rows(FLAGS.latency_rows) if r["loop"] == "dispatch"):
-        x = r["context_frames"] / sim.CAP_FRAMES
-        emit({"kind": "context_check", "sessions": r["sessions"], "context_frames":
-              r["context_frames"], "ssm_kernel": r.get("ssm_kernel", "xla"), "p50_ms": r["p50_ms"],
-              "model_tick_ms": cost.tick_ms(r["sessions"], x)})  # fmt: skip
+    # Context check against the older cap-256 serving rows (an older engine: indicative only, and
+    # only beside the fit to the older engine's rows).
+    if fit.source == "beat_profile":
+        for r in (r for r in _rows(FLAGS.latency_rows) if r["loop"] == "dispatch"):
+            x = r["context_frames"] / sim.CAP_FRAMES
+            emit({"kind": "context_check", "sessions": r["sessions"],
+                  "context_frames": r["context_frames"], "ssm_kernel": r.get("ssm_kernel", "xla"),
+                  "p50_ms": r["p50_ms"],
+                  "model_tick_ms": cost.tick_ms(r["sessions"], x)})  # fmt: skip
 
-    # 2. Tail: jitter from p99 - p50 of the serving rows the server kept up with; host overhead;
-    # host stalls from the missed ticks of the rows whose jitter cannot explain them.
-    ok = [r for r in serves if r["p50_ms"] < sim.BEAT_MS]
-    u, v = sim.fit_jitter([r["sessions"] for r in ok], [r["p99_ms"] - r["p50_ms"] for r in ok])
-    jitter = sim.Tail(log_sigma0=u, log_sigma1=v, sigma_batch_max=max(r["sessions"] for r in ok))
-    tick_of = {r["slots"]: float(np.median(r["ms"])) for r in ticks}
-    host_each = {r["sessions"]: r["p50_ms"] - tick_of[r["sessions"]] for r in ok}
-    host = float(np.mean(list(host_each.values())))
-    # Rows whose jitter reaches no deadline (max spike at 200 ticks: ~ 2.3 scales past p50).
-    quiet = [r for r in ok if r["p50_ms"] + 3 * jitter.sigma_ms(r["sessions"]) < sim.BEAT_MS]
-    stall = sum(r["missed_ticks"] for r in quiet) / sum(r["steady_ticks"] for r in quiet)
-    tail = sim.Tail(u, v, stall, host, jitter.sigma_batch_max)
+    # 2. Tail (fitted in sim.fit_h200 / fit_capacity): jitter from p99 - p50 of the serving rows
+    # the server kept up with (and, for capacity rows, of the batch-1 baseline's ticks); host
+    # overhead; host stalls from the missed ticks of the rows whose jitter cannot explain them.
+    host_each = fit.host_each
     emit({"kind": "tail", **vars(tail), "host_each": host_each})
-    for r in ok:
-        n = r["sessions"]
-        emit({"kind": "tail_fit", "sessions": n, "p99_minus_p50_ms": r["p99_ms"] - r["p50_ms"],
+    for n, d in fit.jitter_points:
+        emit({"kind": "tail_fit", "sessions": n, "p99_minus_p50_ms": d,
               "model_ms": tail.p99_minus_p50_ms(n)})  # fmt: skip
 
     # 3. Validation: simulated lockstep server against the real one (host overhead left out of
-    # the fit for the row it is checked on, where there are other rows to take it from).
-    for r in serves:
-        n = r["sessions"]
-        others = [h for m, h in host_each.items() if m != n] or [host]
-        t = sim.Tail(u, v, stall, float(np.mean(others)), jitter.sigma_batch_max)
-        runs = [
-            sim.simulate_lockstep(cost, r["steady_ticks"], n, slots=n, tail=t,
-                                  rng=np.random.default_rng(s)).summary()
+    # the fit for the row it is checked on, where there are other rows to take it from). For the
+    # capacity rows also with the row's own host overhead (its p50 minus its probe): a diagnostic.
+    def lockstep_runs(n: int, ticks: int, host_ms: float) -> list[sim.Result]:
+        t = dataclasses.replace(tail, host_ms=host_ms)
+        return [
+            sim.simulate_lockstep(cost, ticks, n, slots=n, tail=t, rng=np.random.default_rng(s))
             for s in range(FLAGS.seeds)
-        ]  # fmt: skip
+        ]
+
+    for r in fit.serves:
+        n = r["sessions"]
+        others = [h for m, h in host_each.items() if m != n] or [tail.host_ms]
+        res = lockstep_runs(n, r["steady_ticks"], float(np.mean(others)))
         emit({"kind": "validation", "sessions": n, "real_p50_ms": r["p50_ms"],
               "real_p99_ms": r["p99_ms"], "real_max_ms": r["max_ms"],
               "real_missed": r["missed_ticks"], "ticks": r["steady_ticks"],
-              **{f"sim_{k}": val for k, val in _mean_summary(runs).items()}})  # fmt: skip
+              "host_ms": float(np.mean(others)),
+              **{f"sim_{k}": val for k, val in _mean_summary([x.summary() for x in res]).items()},
+              **_p999(r, res)})  # fmt: skip
+        if fit.source == "capacity" and n in fit.tick_of:
+            own = r["p50_ms"] - fit.tick_of[n]
+            res = lockstep_runs(n, r["steady_ticks"], own)
+            emit({"kind": "validation_own_host", "sessions": n, "host_ms": own,
+                  "real_p50_ms": r["p50_ms"], "real_p99_ms": r["p99_ms"],
+                  "real_missed": r["missed_ticks"], "ticks": r["steady_ticks"],
+                  **{f"sim_{k}": v for k, v in
+                     _mean_summary([x.summary() for x in res]).items()}})  # fmt: skip
 
     # 4. Policies at fixed loads: capacity at zero misses, p99, GPU-seconds per conversation-hour.
     # Stalls off here: they are load-independent host misses that no policy removes.
-    quiet_tail = sim.Tail(u, v, 0.0, host, jitter.sigma_batch_max)
+    quiet_tail = fit.quiet
     nb = FLAGS.capacity_beats
 
     def seeds(f):
@@ -161,6 +241,8 @@ def main(argv):
               "p99_at_capacity_ms": at.get("p99_ms"),
               "busy_gpu_s_per_conv_h": at.get("busy_gpu_s_per_conv_h")})  # fmt: skip
         logging.info("capacity %s: %d", name, c)
+    if fit.source == "capacity":
+        _capacity_extras(fit, caps, seeds, nb, emit)
 
     # 5. An hour of Poisson calls on one GPU: a fixed slot count (the engine) against buckets.
     cap = caps["lockstep"]
@@ -203,43 +285,87 @@ def main(argv):
                   "held_gpu_s_per_conv_h": n_gpu * FLAGS.hour_beats * sim.BEAT_MS / 1e3 / conv_h,
                   "busy_gpu_s_per_conv_h": busy_s / conv_h})  # fmt: skip
 
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out, "w") as f:
+    out = FLAGS.out if FLAGS.out is not None else str(_HERE / _DEFAULT_OUT[FLAGS.fit])
+    png = FLAGS.plot if FLAGS.plot is not None else str(_HERE / _DEFAULT_PLOT[FLAGS.fit])
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
         for r in rows_out:
             f.write(json.dumps(r) + "\n")
-    if FLAGS.plot:
+    if png:
         import plot  # matplotlib only when a plot is asked for
 
-        plot.plot(rows_out, FLAGS.plot)
+        plot.plot(rows_out, png)
     print_tables(rows_out)
 
 
 def print_tables(rows: list[dict]) -> None:
-    """The fit, the validation and the capacities, as short tables."""
+    """The fit, the tail, the validation, the capacities, the hour and the GPUs, as short tables."""
 
     def kind(k):
         return [r for r in rows if r["kind"] == k]
 
     m = kind("model")[0]
-    print(f"t(B) per frame-step = {m['a_ms']:.2f} + {m['b_ms']:.3f}*B + {m['c_ms']:.3f}*B*x ms")
-    print(f"{'B':>4} {'meas ms':>8} {'fit ms':>7} {'err %':>6} {'LOO ms':>7} {'LOO %':>6}")
+    print(f"fit to: {m.get('source', 'beat_profile')}; context share {m['context_share']:.3f}")
+    print(f"t(B) per frame-step = {m['a_ms']:.2f} + {m['b_ms']:.3f}*B + {m['c_ms']:.3f}*B*x ms "
+          f"(slope b+c = {m['b_ms'] + m['c_ms']:.3f})")  # fmt: skip
+    print(f"{'B':>4} {'row':>8} {'meas ms':>8} {'fit ms':>7} {'err %':>6} {'LOO ms':>7} "
+          f"{'LOO %':>6}")  # fmt: skip
     for r in kind("fit"):
         e, lo = (r["fit_ms"] / r["measured_ms"] - 1) * 100, (r["loo_ms"] / r["measured_ms"] - 1)
-        print(f"{r['slots']:>4} {r['measured_ms']:>8.2f} {r['fit_ms']:>7.2f} {e:>6.1f} "
-              f"{r['loo_ms']:>7.2f} {lo * 100:>6.1f}")  # fmt: skip
-    print(f"{'sess':>4} {'real p50':>8} {'sim p50':>8} {'err %':>6} {'real p99':>8} "
-          f"{'sim p99':>8} {'real miss':>9} {'sim miss':>8}")  # fmt: skip
+        print(f"{r['slots']:>4} {r.get('row', 'tick'):>8} {r['measured_ms']:>8.2f} "
+              f"{r['fit_ms']:>7.2f} {e:>6.1f} {r['loo_ms']:>7.2f} {lo * 100:>6.1f}")  # fmt: skip
+    t = kind("tail")[0]
+    host = ", ".join(f"{k}: {v:.2f}" for k, v in t["host_each"].items())
+    print(f"tail: u {t['log_sigma0']:.3f}, v {t['log_sigma1']:.5f}/slot (held past "
+          f"{t['sigma_batch_max']}), stall/beat {t['stall_prob']:.4f}, host ms {t['host_ms']:.2f} "
+          f"({host})")  # fmt: skip
+    for r in kind("tail_fit"):
+        print(f"  jitter B={r['sessions']:>3}: p99-p50 measured {r['p99_minus_p50_ms']:.2f}, "
+              f"model {r['model_ms']:.2f} ms")  # fmt: skip
+    print(f"{'sess':>4} {'host':>5} {'real p50':>8} {'sim p50':>8} {'err %':>6} {'real p99':>8} "
+          f"{'sim p99':>8} {'real p999':>9} {'sim p999':>8} {'real miss':>9} "
+          f"{'sim miss':>8}")  # fmt: skip
     for r in kind("validation"):
         e = (r["sim_p50_ms"] / r["real_p50_ms"] - 1) * 100
-        print(f"{r['sessions']:>4} {r['real_p50_ms']:>8.1f} {r['sim_p50_ms']:>8.1f} {e:>6.1f} "
+        print(f"{r['sessions']:>4} {r.get('host_ms', math.nan):>5.2f} {r['real_p50_ms']:>8.1f} "
+              f"{r['sim_p50_ms']:>8.1f} {e:>6.1f} {r['real_p99_ms']:>8.1f} "
+              f"{r['sim_p99_ms']:>8.1f} {r.get('real_p99.9_ms', math.nan):>9.1f} "
+              f"{r.get('sim_p99.9_ms', math.nan):>8.1f} {r['real_missed']:>9} "
+              f"{r['sim_missed']:>8.1f}")  # fmt: skip
+    if kind("validation_own_host"):
+        print("with each row's own host ms (its p50 minus its probe):")
+    for r in kind("validation_own_host"):
+        print(f"{r['sessions']:>4} {r['host_ms']:>5.2f} {r['real_p50_ms']:>8.1f} "
+              f"{r['sim_p50_ms']:>8.1f} {(r['sim_p50_ms'] / r['real_p50_ms'] - 1) * 100:>6.1f} "
               f"{r['real_p99_ms']:>8.1f} {r['sim_p99_ms']:>8.1f} {r['real_missed']:>9} "
               f"{r['sim_missed']:>8.1f}")  # fmt: skip
-    print(f"{'policy':>14} {'capacity':>8} {'p99 ms':>7} {'held GPU-s/conv-h':>17} {'busy':>6}")
+    print(f"{'policy':>18} {'capacity':>8} {'p99 ms':>7} {'held GPU-s/conv-h':>17} {'busy':>6}")
     for r in kind("capacity"):
-        p99 = r["p99_at_capacity_ms"] or float("nan")
-        held = r["held_gpu_s_per_conv_h"] or float("nan")
-        busy = r["busy_gpu_s_per_conv_h"] or float("nan")
-        print(f"{r['policy']:>14} {r['capacity']:>8} {p99:>7.1f} {held:>17.1f} {busy:>6.1f}")
+        p99 = r["p99_at_capacity_ms"] or math.nan
+        held = r["held_gpu_s_per_conv_h"] or math.nan
+        busy = r["busy_gpu_s_per_conv_h"] or math.nan
+        print(f"{r['policy']:>18} {r['capacity']:>8} {p99:>7.1f} {held:>17.1f} {busy:>6.1f}")
+    for r in kind("baseline_check"):
+        print(f"batch-1 baseline ({r['commit']}): tick p50 {r['measured_p50_ms']:.1f}, p99 "
+              f"{r['measured_p99_ms']:.1f} ms -> 160 // p99 = {r['rule_held']} (row: "
+              f"{r['measured_held']}); model t(1) {r['fit_tick_ms']:.1f}, p99 "
+              f"{r['model_p99_ms']:.1f} -> {r['model_rule_held']}; simulated batch-1 capacity "
+              f"{r['sim_batch1_capacity']}")  # fmt: skip
+    print(f"{'E':>5} {'variant':>8} {'offered':>7} {'refused %':>9} {'live':>5} {'p50':>6} "
+          f"{'p99':>6} {'miss %':>6} {'skip':>5} {'busy %':>6} {'busy s/ch':>9}")  # fmt: skip
+    for r in kind("hour"):
+        print(f"{r['erlangs']:>5.0f} {r['variant']:>8} {r['offered']:>7} "
+              f"{100 * r['refused'] / max(r['offered'], 1):>9.1f} {r['mean_live']:>5.1f} "
+              f"{r['p50_ms']:>6.1f} {r['p99_ms']:>6.1f} {100 * r['miss_rate']:>6.2f} "
+              f"{r['skipped']:>5} {100 * r['busy_frac']:>6.1f} "
+              f"{r['busy_gpu_s_per_conv_h']:>9.1f}")  # fmt: skip
+    print(f"{'gpus':>4} {'router':>12} {'E':>6} {'refused %':>9} {'missed sb %':>11} "
+          f"{'p99 worst':>9} {'held s/ch':>9} {'busy s/ch':>9}")  # fmt: skip
+    for r in kind("gpus"):
+        print(f"{r['gpus']:>4} {r['router']:>12} {r['erlangs']:>6.1f} "
+              f"{100 * r['refused_frac']:>9.2f} {100 * r['missed_session_beat_rate']:>11.2f} "
+              f"{r['p99_ms_worst_engine']:>9.1f} {r['held_gpu_s_per_conv_h']:>9.1f} "
+              f"{r['busy_gpu_s_per_conv_h']:>9.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A batching-policy simulator of the serving clock, driven by step-cost models fitted to the H200.
 
-Three pieces:
+Three pieces (fitted by ``fit_h200`` to the older engine's ``experiments/beat_profile`` rows, or by
+``fit_capacity`` to the current engine's ``experiments/capacity`` rows):
 
 - **Step-cost model** ``StepCost``: device time of one tick of ``B`` slots,
   ``frames_per_tick * (a + b*B + c*B*x)`` ms with ``x = context_cap / 1500`` (weights streamed
@@ -494,16 +495,23 @@ def context_share(components: list[dict]) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class H200Fit:
-    """The step-cost and tail models fitted to ``experiments/beat_profile``'s H200 rows."""
+    """The step-cost and tail models fitted to H200 rows (``fit_h200``: ``experiments/beat_profile``
+    on the older engine; ``fit_capacity``: ``experiments/capacity`` on the current one)."""
 
     cost: StepCost
     tail: Tail  # jitter, host stalls and host overhead
     quiet: Tail  # the same without host stalls (load-independent misses no policy removes)
     share: float  # context share of a slot's bytes
     host_each: dict[int, float]  # host ms per beat, per serving row
-    ticks: list[dict]  # the kind=tick rows
-    serves: list[dict]  # the kind=serve rows
-    components: list[dict]  # the kind=component rows
+    ticks: list[dict]  # the rows the step cost is fitted to (kind=tick; or baseline and probe)
+    serves: list[dict]  # the serving rows (validation, jitter, host overhead and stalls)
+    components: list[dict]  # the kind=component rows (the context share)
+    # (B, measured ms per frame-step) the step cost is fitted to, one per row of ``ticks``
+    step_points: tuple[tuple[float, float], ...] = ()
+    # (B, p99 - p50 ms) the jitter is fitted to
+    jitter_points: tuple[tuple[float, float], ...] = ()
+    source: str = "beat_profile"  # which rows: "beat_profile" or "capacity"
+    tick_of: dict[int, float] = dataclasses.field(default_factory=dict)  # tick ms per B measured
 
 
 def fit_h200(rows: list[dict]) -> H200Fit:
@@ -535,6 +543,127 @@ def fit_h200(rows: list[dict]) -> H200Fit:
         ticks=ticks,
         serves=serves,
         components=comps,
+        step_points=tuple((r["slots"], r["ms_per_frame_step"]) for r in ticks),
+        jitter_points=tuple((r["sessions"], r["p99_ms"] - r["p50_ms"]) for r in ok),
+        source="beat_profile",
+        tick_of=tick_of,
+    )
+
+
+# ---- the fit to the capacity rows (the current engine), in one call ---------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityRows:
+    """The rows of ``experiments/capacity`` that describe one engine configuration."""
+
+    serves: list[dict]  # kind=serve, hold_full, one loop, by sessions
+    probes: list[dict]  # kind=probe of the same runs (same sessions and commit), by sessions
+    baselines: list[dict]  # kind=baseline (1-slot engine) of the same commits
+
+
+# The configuration the capacity fit describes: the kernels and codec products of its rows. A row
+# without one of these fields (older rows) is taken as having the value here.
+CAPACITY_CONFIG = {
+    "ssm_kernel": "pallas",
+    "attention": "pallas",
+    "tts_attention": "xla",
+    "codec_matmul": "float32",
+}
+
+
+def _of_config(r: dict, config: dict) -> bool:
+    return all(r.get(k, v) == v for k, v in config.items())
+
+
+def select_capacity_rows(
+    rows: Sequence[dict],
+    *,
+    loop: str = "dispatch",
+    policy: str = "reference",
+    config: dict | None = None,
+) -> CapacityRows:
+    """Picks the worst-case rows of the current engine out of ``capacity/results`` rows.
+
+    Serving rows: ``kind=serve`` with ``hold_full`` true (every cache full on every tick, so
+    ``x = 1``), of ``loop``, ``policy`` and ``config`` (default ``CAPACITY_CONFIG``: kernels and
+    codec products; any row, probes and baselines included, that names another value of one of
+    its fields is left out). Probes (the tick timed back to back before serving) and
+    batch-1 baselines carry no ``hold_full`` field, so a probe is kept only where a kept serving row
+    has its session count and commit (it was timed in that run), a baseline only where a kept
+    serving row has its commit; rows without a commit (older runs) are never kept.
+    """
+    config = CAPACITY_CONFIG if config is None else config
+    rows = [r for r in rows if _of_config(r, config)]
+    serves = sorted(
+        (r for r in rows if r.get("kind") == "serve" and r.get("hold_full") is True
+         and r.get("loop") == loop and r.get("policy", policy) == policy and r.get("commit")),
+        key=lambda r: r["sessions"],
+    )  # fmt: skip
+    runs = {(r["sessions"], r["commit"]) for r in serves}
+    commits = {r["commit"] for r in serves}
+    probes = sorted(
+        (r for r in rows if r.get("kind") == "probe" and r.get("policy", policy) == policy
+         and (r.get("sessions"), r.get("commit")) in runs),
+        key=lambda r: r["sessions"],
+    )  # fmt: skip
+    baselines = [
+        r for r in rows
+        if r.get("kind") == "baseline" and r.get("policy", policy) == policy
+        and r.get("commit") in commits
+    ]  # fmt: skip
+    return CapacityRows(serves=serves, probes=probes, baselines=baselines)
+
+
+def fit_capacity(
+    rows: Sequence[dict], components: list[dict], *, loop: str = "dispatch", steps: int = 3000
+) -> H200Fit:
+    """Fits the models to the current engine's ``experiments/capacity`` rows (README here).
+
+    Step cost: the batch-1 baselines' tick p50 (``B = 1``) and the probes' back-to-back tick p50,
+    halved to a frame-step. Every row is at ``x = 1`` (``hold_full``), so only ``a`` and the slope
+    ``b + c`` are identified; ``c / (b + c)`` is the component rows' byte share, as in
+    ``fit_h200``. Jitter: ``p99 - p50`` of the serving rows the server kept up with, and of the
+    baselines' timed ticks at ``B = 1`` (the only spread measured below 56 slots); held beyond the
+    largest serving row. Host overhead: serving p50 minus its run's probe. Host stalls: missed
+    ticks of the rows whose jitter reaches no deadline, per steady tick.
+    """
+    sel = select_capacity_rows(rows, loop=loop)
+    if not sel.probes:
+        raise ValueError("no probe row matches a hold_full serving row")
+    share = context_share(components)
+    step_rows = sel.baselines + sel.probes
+    B = [1] * len(sel.baselines) + [r["sessions"] for r in sel.probes]
+    y = [r["ms_p50"] / 2 for r in sel.baselines] + [r["tick_ms_p50"] / 2 for r in sel.probes]
+    cost = fit_step_cost(B, y, context_share=share, steps=steps)
+    ok = [r for r in sel.serves if r["p50_ms"] < BEAT_MS]
+    jit = [(r["sessions"], r["p99_ms"] - r["p50_ms"]) for r in ok]
+    jit += [(1, r["ms_p99"] - r["ms_p50"]) for r in sel.baselines]
+    u, v = fit_jitter([b for b, _ in jit], [d for _, d in jit], steps=steps)
+    sigma_max = max(r["sessions"] for r in ok)
+    jitter = Tail(log_sigma0=u, log_sigma1=v, sigma_batch_max=sigma_max)
+    by_n: dict[int, list[float]] = collections.defaultdict(list)
+    for r in sel.probes:
+        by_n[r["sessions"]].append(r["tick_ms_p50"])
+    tick_of = {n: float(np.median(t)) for n, t in by_n.items()}
+    host_each = {r["sessions"]: r["p50_ms"] - tick_of[r["sessions"]] for r in ok}
+    host = float(np.mean(list(host_each.values())))
+    quiet_rows = [r for r in ok if r["p50_ms"] + 3 * jitter.sigma_ms(r["sessions"]) < BEAT_MS]
+    quiet_ticks = sum(r["steady_ticks"] for r in quiet_rows)
+    stall = sum(r["missed_ticks"] for r in quiet_rows) / quiet_ticks if quiet_ticks else 0.0
+    return H200Fit(
+        cost=cost,
+        tail=Tail(u, v, stall, host, sigma_max),
+        quiet=Tail(u, v, 0.0, host, sigma_max),
+        share=share,
+        host_each=host_each,
+        ticks=step_rows,
+        serves=sel.serves,
+        components=components,
+        step_points=tuple(zip(B, y, strict=True)),
+        jitter_points=tuple(jit),
+        source="capacity",
+        tick_of=tick_of,
     )
 
 
