@@ -57,6 +57,12 @@ flags.DEFINE_enum(
     [m.value for m in config_lib.AttentionImpl],
     "Speech decoder's (default: as --attention).",
 )
+flags.DEFINE_bool(
+    "churn",
+    False,
+    "Real fills under churn: every slot serves sessions back to back, each lasting a uniform "
+    "random number of beats up to one beat short of the context cap (all start at tick 0).",
+)
 
 
 def _speech(n: int, seed: int) -> np.ndarray:
@@ -93,13 +99,57 @@ def make_engine(params, cfg, precision, sessions: int, template=None, **serve_kw
     return Engine(params, cfg, serve, template=template)
 
 
+def churn_plans(
+    slots: int, ticks: int, cap_beats: int, samples_per_beat: int, seed: int = 0
+) -> tuple[list[SessionPlan], np.ndarray]:
+    """Back-to-back sessions in each of ``slots`` lanes for ``ticks`` beats.
+
+    Lane ``i``'s sessions follow one another with no gap: each joins on the beat the previous one
+    leaves, and lasts a uniform random number of beats in ``[1, cap_beats - 1]`` (one beat short
+    of the cap, so none ends by reaching it). Returns the plans and the fill [ticks, slots]: the
+    frames of context of each lane's session at the end of each beat (2 frames a beat).
+    """
+    rng = np.random.default_rng(seed)
+    plans, fill = [], np.zeros((ticks, slots), np.int32)
+    for lane in range(slots):
+        join, n = 0, 0
+        while join < ticks:
+            length = int(rng.integers(1, max(2, cap_beats)))
+            leave = join + length
+            end = min(leave, ticks)
+            audio = _speech((end - join) * samples_per_beat, lane * 1000 + n)
+            last = None if leave >= ticks else leave
+            plans.append(SessionPlan(id=f"s{lane}_{n}", audio=audio, join=join, leave=last))
+            fill[join:end, lane] = 2 * np.arange(1, end - join + 1)
+            join, n = leave, n + 1
+    return plans, fill
+
+
 def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
-    """Serves ``slots`` sessions for ``ticks`` beats on ``engine``; one row of results."""
+    """Serves ``slots`` sessions for ``ticks`` beats on ``engine``; one row of results.
+
+    With ``--churn`` each slot serves back-to-back sessions of random lengths (``churn_plans``)
+    and the row adds the sessions served and the mean context fill over the steady ticks.
+    """
     ticks = FLAGS.ticks if ticks is None else ticks
     sessions = engine.serve.slots
     engine.reset()
     samples = ticks * engine.samples_per_beat
-    plans = [SessionPlan(id=f"s{i}", audio=_speech(samples, i)) for i in range(sessions)]
+    churn = {}
+    if FLAGS.churn:
+        if FLAGS.hold_full:
+            raise ValueError("--churn measures real fills; --hold_full holds them at the cap")
+        cap_beats = engine.serve.context_frames // engine.serve.frames_per_tick
+        plans, fill = churn_plans(sessions, ticks, cap_beats, engine.samples_per_beat)
+        steady = fill[FLAGS.warmup_ticks :]
+        churn = {
+            "churn": True,
+            "sessions_served": len(plans),
+            "mean_fill_frames": float(steady.mean()),
+            "mean_fill_of_cap": float(steady.mean() / engine.serve.context_frames),
+        }
+    else:
+        plans = [SessionPlan(id=f"s{i}", audio=_speech(samples, i)) for i in range(sessions)]
     # Outputs streamed to files as ``voicechat-serve`` does, not kept in memory.
     with tempfile.TemporaryDirectory(prefix="beat_latency_") as out_dir:
         server = Server(
@@ -143,7 +193,7 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "warmup_max_ms": s["warmup"]["latency_ms"]["max"],
         "state_gib": round(engine.memory.state_bytes / 2**30, 2),
         "memory_gib": device_memory(),
-    }
+    } | churn | ({"events": s["events"], "ended": s.get("ended", {})} if churn else {})
 
 
 def tick_times(engine: Engine, ticks: int, *, warmup: int = 0) -> np.ndarray:
