@@ -19,14 +19,15 @@ decoder's KV cache, the largest per-session state, stored in bf16: half its byte
 ``tf32_bf16_tts_kv()`` (both), ``tf32_codec()`` (TF32 products in the codec's decoder only) and
 ``bf16_tts_kv_tf32_codec()``.
 
-The codec's decoder turns the sampled codes into the waveform and nothing else: no token, code or
-state of the model passes through it, so TF32 there moves the audio only (about 1e-3 relative on
-an H200, ``model.codec``) and can never change what the model says. Its products are the tick's
+The codec's decoder turns the sampled codes into the waveform and nothing else: nothing the rest
+of the model reads depends on it (its own state is the decoder's conv and overlap-add tails), so
+TF32 there moves the audio only (about 1e-3 relative on an H200 with TF32 in the whole codec,
+``model.codec``) and can never change what the model says. Its products are the tick's
 largest compute: 5.9 GFLOP per session-frame at the release's sizes (the pointwise products of
 its nine ConvNeXt blocks, at 9, 63 and 441 steps a frame), run in full fp32 on the GPU's vector
 units: 3.2 ms a frame-step at 16 sessions and 5.7 at 32 on an H200 (``experiments/beat_profile``),
-about 33 TFLOP/s. The codec's encoder, whose nearest-neighbour search flips
-codes under TF32, keeps ``HIGHEST`` in every policy.
+about 33 TFLOP/s. The codec's encoder, whose nearest-neighbour search flips codes under TF32,
+keeps ``HIGHEST`` in every policy.
 """
 
 from __future__ import annotations
