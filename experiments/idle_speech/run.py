@@ -16,7 +16,11 @@ which k speak:
 Simulated part (``--parts=sim``; host only): the H200 tick with the speech decoder's components
 (``experiments/beat_profile`` rows at B = 16, 32) at b rows instead of B, with and without the
 copy (bytes at the measured copy bandwidth); capacity at zero misses with the simulator fitted to
-the H200 rows, for speaking fractions. Skipping a silent frame changes what the model computes
+the H200 rows, for speaking fractions. ``--fit`` picks the whole-tick fit: ``capacity`` (default:
+the current engine's ``experiments/capacity`` rows, ``sim.fit_capacity``) or ``beat_profile``
+(the older engine's, ``sim.fit_h200``: the README's history); the speech decoder's part comes from
+the beat_profile component rows under either (``--speech_cost``: as measured, or scaled to the
+fitted tick). Skipping a silent frame changes what the model computes
 (its speech-decoder context skips those frames): this measures cost, not quality.
 See README.md beside this file.
 """
@@ -35,6 +39,7 @@ import numpy as np
 from absl import app, flags, logging
 
 _HERE = pathlib.Path(__file__).resolve().parent
+_REPO = _HERE.parents[1]
 sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
 import sim  # noqa: E402
@@ -50,13 +55,47 @@ flags.DEFINE_list("speaking", ["0.25", "0.5", "0.75"], "Share of the slots whose
 flags.DEFINE_integer("calls", 10, "Timed calls per point (median).")
 flags.DEFINE_integer("context_frames", 64, "Context cap in frames (1500 on the H200).")
 flags.DEFINE_string("out", str(_HERE / "results/cpu_tiny.jsonl"), "Engine rows (appended).")
-flags.DEFINE_string("sim_out", str(_HERE / "results/sim_h200.jsonl"), "Simulated rows (rewritten).")
-flags.DEFINE_string("profile_rows", str(er.H200_PROFILE), "H200 rows the simulator is fitted to.")
+flags.DEFINE_enum(
+    "fit", "capacity", ["capacity", "beat_profile"],
+    "Rows the simulator is fitted to: 'capacity' (--capacity_rows, the current engine: "
+    "sim.fit_capacity) or 'beat_profile' (--profile_rows, the older engine 9dce6ca: sim.fit_h200).",
+)  # fmt: skip
+flags.DEFINE_string(
+    "capacity_rows", str(_REPO / "experiments/capacity/results/h200_reference.jsonl"),
+    "Current engine's H200 rows (baseline, probe, hold_full serve) for --fit=capacity.",
+)  # fmt: skip
+flags.DEFINE_string(
+    "profile_rows", str(er.H200_PROFILE),
+    "Older engine's H200 rows: tick and serve rows for --fit=beat_profile; component rows (the "
+    "context share, the speech decoder's ms and KV bytes) and copy rows for both fits.",
+)  # fmt: skip
+flags.DEFINE_string(
+    "sim_out", None,
+    "Simulated rows (rewritten); default results/sim_h200_current.jsonl for --fit=capacity, "
+    "results/sim_h200.jsonl for --fit=beat_profile.",
+)  # fmt: skip
 flags.DEFINE_list("sim_speaking", ["0.3", "0.5", "0.7", "1.0"], "Simulated speaking shares.")
 flags.DEFINE_integer("seeds", 5, "Simulator seeds per capacity probe.")
 flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.")
-flags.DEFINE_string("plot", str(_HERE / "idle_speech.png"), "PNG ('' for none).")
+flags.DEFINE_enum(
+    "speech_cost", "components", ["components", "scaled"],
+    "The speech decoder's ms in the simulated tick: 'components' (the beat_profile component rows' "
+    "ms as measured) or 'scaled' (those ms times, at each B, the whole-tick fit over the sum of "
+    "all components: the speech decoder's share of the component rows kept, as frames_per_tick "
+    "scales them).",
+)  # fmt: skip
+flags.DEFINE_string(
+    "plot", None,
+    "PNG ('' for none); default idle_speech_current.png for --fit=capacity, idle_speech.png for "
+    "--fit=beat_profile.",
+)  # fmt: skip
 er.define_engine_flags()
+
+# Per --fit: the default simulated rows and figure, beside this file.
+_SIM_FILES = {
+    "capacity": ("results/sim_h200_current.jsonl", "idle_speech_current.png"),
+    "beat_profile": ("results/sim_h200.jsonl", "idle_speech.png"),
+}
 
 # The speech decoder's components in the beat_profile rows: per frame, and the codec per beat.
 SPEECH_FRAME = ("TTS backbone", "TTS text side", "MoG round", "RVQ encoding")
@@ -168,17 +207,52 @@ def lines(components: list[dict], names: tuple[str, ...]) -> tuple[float, float]
     return a, b
 
 
+def fit_models(profile: list[dict]) -> sim.H200Fit:
+    """The simulator's step-cost and tail models fitted to the rows ``--fit`` names."""
+    if FLAGS.fit == "beat_profile":
+        return sim.fit_h200(profile)
+    components = [r for r in profile if r["kind"] == "component"]
+    return sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components)
+
+
+def model_row(fit: sim.H200Fit) -> dict:
+    """The fit the simulated rows come from: its rows, step cost, host overhead and stalls."""
+    return {"kind": "model", "source": fit.source, **vars(fit.cost), "context_share": fit.share,
+            "host_ms": fit.tail.host_ms, "stall_prob": fit.tail.stall_prob}  # fmt: skip
+
+
+def sim_files() -> tuple[str, str]:
+    """``(sim_out, plot)``: the flags where given, else ``--fit``'s defaults beside this file."""
+    out, png = _SIM_FILES[FLAGS.fit]
+    return (
+        FLAGS.sim_out if FLAGS.sim_out is not None else str(_HERE / out),
+        FLAGS.plot if FLAGS.plot is not None else str(_HERE / png),
+    )
+
+
+def fit_label(sim_rows: list[dict]) -> str:
+    """Which rows the simulated rows were fitted to (rows without a ``model`` source: the older
+    engine's, as before the current fit existed)."""
+    src = next((r.get("source") for r in sim_rows if r["kind"] == "model"), None)
+    return "capacity rows" if src == "capacity" else "beat_profile rows"
+
+
 def sim_part() -> list[dict]:
     prof = er.read_rows(FLAGS.profile_rows)
-    fit = sim.fit_h200(prof)
+    fit = fit_models(prof)
     comps = fit.components
     fa, fb = lines(comps, SPEECH_FRAME)
     ca, cb = lines(comps, SPEECH_BEAT)
+    everything = tuple(
+        sorted({r["component"] for r in comps if not r["component"].startswith("admission")})
+    )
+    ta, tb = lines(comps, everything)  # all components but admission, ms per frame-step
     by = {(r["component"], r["slots"]): r["bytes"] for r in comps}
     tts_name = next(c for c, s in by if c.startswith("TTS backbone"))
     kv_bytes = (by[(tts_name, 32)] - by[(tts_name, 16)]) / 16  # a session's KV read per frame
     copy_tbps = float(np.mean([r["tbps"] for r in prof if r["kind"] == "copy"]))
-    rows = [{"kind": "model", "speech_frame_ms": [fa, fb], "speech_beat_ms": [ca, cb],
+    rows = [{**model_row(fit), "speech_cost": FLAGS.speech_cost, "speech_frame_ms": [fa, fb],
+             "speech_beat_ms": [ca, cb], "components_ms": [ta, tb],
              "tts_kv_bytes_per_session": kv_bytes, "copy_tbps": copy_tbps}]  # fmt: skip
     rows += [{"kind": "validation", **v} for v in sim.validate(fit)]
 
@@ -194,7 +268,9 @@ def sim_part() -> list[dict]:
         extra = 0.0
         if how == "compacted_copy":  # gather and scatter: each reads and writes k sessions' KV
             extra = 2 * 4 * k * kv_bytes / (copy_tbps * 1e12) * 1e3  # two frames per tick
-        return full - speech_ms(B) + speech_ms(b) + extra
+        # the components' ms as measured, or scaled so that they sum to the fitted tick at B
+        scale = 1.0 if FLAGS.speech_cost == "components" else full / (2 * (ta + tb * B))
+        return full - scale * speech_ms(B) + scale * speech_ms(b) + extra
 
     for share in (float(x) for x in FLAGS.sim_speaking):
         for how in ("masked", "compacted_index", "compacted_copy"):
@@ -228,11 +304,14 @@ def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
     caps = [r for r in sim_rows if r["kind"] == "capacity"]
+    speech = next((r for r in sim_rows if r["kind"] == "model"), {}).get(
+        "speech_cost", "components"
+    )
     for v in dict.fromkeys(r["variant"] for r in caps):
         rs = [r for r in caps if r["variant"] == v]
         ax[0].plot([r["speaking"] for r in rs], [r["capacity"] for r in rs], "o-", label=v)
     ax[0].set(xlabel="share of sessions whose agent speaks", ylabel="capacity at zero misses",
-              title="H200, simulated from component rows")  # fmt: skip
+              title=f"H200, simulated ({fit_label(sim_rows)}; speech ms: {speech})")  # fmt: skip
     ax[0].legend(fontsize=8)
     sp = [r for r in engine_rows if r["kind"] == "speech"]
     if sp:
@@ -261,7 +340,13 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                   f"{r['tts_small_ms']:>6.2f} {r['codec_full_ms']:>10.2f} "
                   f"{r['codec_compacted_ms']:>7.2f} {r['codec_small_ms']:>6.2f}")  # fmt: skip
     if sim_rows:
-        print("simulated H200 capacity at zero misses")
+        m = next(r for r in sim_rows if r["kind"] == "model")
+        print(f"simulated H200, fit to {fit_label(sim_rows)}, speech cost "
+              f"{m.get('speech_cost', 'components')}")  # fmt: skip
+        for v in (r for r in sim_rows if r["kind"] == "validation"):
+            print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
+                  f"{v['sim_p50_ms']:.1f} ms ({100 * v['p50_error']:+.1f} %)")  # fmt: skip
+        print("capacity at zero misses")
         for r in (r for r in sim_rows if r["kind"] == "capacity"):
             print(f"speaking {r['speaking']:.1f} {r['variant']:>16}: {r['capacity']:>4} "
                   f"(tick at 32: {r['tick_ms_at_32']:.1f} ms)")  # fmt: skip
@@ -269,11 +354,12 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
 
 def main(argv):
     del argv
+    sim_out, plot_path = sim_files()
     er.run_parts(
         FLAGS.parts,
         out=FLAGS.out,
-        sim_out=FLAGS.sim_out,
-        plot_path=FLAGS.plot,
+        sim_out=sim_out,
+        plot_path=plot_path,
         engine_part=engine_part,
         sim_part=sim_part,
         plot=plot,

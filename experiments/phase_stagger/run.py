@@ -9,7 +9,9 @@ each group's outputs; each group's beat latency is measured from its own beat's 
 Simulated part (``--parts=sim``; host only): ``sim.simulate_groups`` with the step-cost and tail
 models fitted to the H200 rows: capacity at zero misses, p50/p99 and device busy for 1, 2 and 4
 groups. One group is the validated lockstep simulator; staggered groups are not validated yet.
-See README.md beside this file.
+``--fit`` picks the rows: ``capacity`` (default: the current engine's ``experiments/capacity``
+rows, ``sim.fit_capacity``) or ``beat_profile`` (the older engine's, ``sim.fit_h200``: the README's
+history). See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 from absl import app, flags, logging
 
 _HERE = pathlib.Path(__file__).resolve().parent
+_REPO = _HERE.parents[1]
 sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
 import sim  # noqa: E402
@@ -43,13 +46,44 @@ flags.DEFINE_integer("warmup_ticks", 5, "Beats per group reported apart as warm-
 flags.DEFINE_integer("timed_ticks", 10, "Back-to-back ticks timed per slot count.")
 flags.DEFINE_integer("context_frames", 64, "Context cap in frames (1500 on the H200).")
 flags.DEFINE_string("out", str(_HERE / "results/cpu_tiny.jsonl"), "Engine rows (appended).")
-flags.DEFINE_string("sim_out", str(_HERE / "results/sim_h200.jsonl"), "Simulated rows (rewritten).")
-flags.DEFINE_string("profile_rows", str(er.H200_PROFILE), "H200 rows the simulator is fitted to.")
+flags.DEFINE_enum(
+    "fit", "capacity", ["capacity", "beat_profile"],
+    "Rows the simulator is fitted to: 'capacity' (--capacity_rows, the current engine: "
+    "sim.fit_capacity) or 'beat_profile' (--profile_rows, the older engine 9dce6ca: sim.fit_h200).",
+)  # fmt: skip
+flags.DEFINE_string(
+    "capacity_rows", str(_REPO / "experiments/capacity/results/h200_reference.jsonl"),
+    "Current engine's H200 rows (baseline, probe, hold_full serve) for --fit=capacity.",
+)  # fmt: skip
+flags.DEFINE_string(
+    "profile_rows", str(er.H200_PROFILE),
+    "Older engine's H200 rows: tick and serve rows for --fit=beat_profile; component rows (the "
+    "context share) for both fits.",
+)  # fmt: skip
+flags.DEFINE_string(
+    "sim_out", None,
+    "Simulated rows (rewritten); default results/sim_h200_current.jsonl for --fit=capacity, "
+    "results/sim_h200.jsonl for --fit=beat_profile.",
+)  # fmt: skip
 flags.DEFINE_list("groups", ["1", "2", "4"], "Simulated group counts (equal sizes, equal offsets).")
 flags.DEFINE_integer("seeds", 5, "Simulator seeds per point.")
 flags.DEFINE_integer("sim_beats", 500, "Simulated beats per probe.")
-flags.DEFINE_string("plot", str(_HERE / "phase_stagger.png"), "PNG ('' for none).")
+flags.DEFINE_list(
+    "sim_sessions", ["8", "16", "24", "32", "40", "48"],
+    "Simulated session counts reported (besides the capacity; those a multiple of the groups).",
+)  # fmt: skip
+flags.DEFINE_string(
+    "plot", None,
+    "PNG ('' for none); default phase_stagger_current.png for --fit=capacity, phase_stagger.png "
+    "for --fit=beat_profile.",
+)  # fmt: skip
 er.define_engine_flags()
+
+# Per --fit: the default simulated rows and figure, beside this file.
+_SIM_FILES = {
+    "capacity": ("results/sim_h200_current.jsonl", "phase_stagger_current.png"),
+    "beat_profile": ("results/sim_h200.jsonl", "phase_stagger.png"),
+}
 
 
 def staggered_run(engine: Engine, groups: int, n_ticks: int, warmup: int) -> dict:
@@ -128,9 +162,39 @@ def engine_part(rows: list[dict]) -> None:
             del engine
 
 
+def fit_models(profile: list[dict]) -> sim.H200Fit:
+    """The simulator's step-cost and tail models fitted to the rows ``--fit`` names."""
+    if FLAGS.fit == "beat_profile":
+        return sim.fit_h200(profile)
+    components = [r for r in profile if r["kind"] == "component"]
+    return sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components)
+
+
+def model_row(fit: sim.H200Fit) -> dict:
+    """The fit the simulated rows come from: its rows, step cost, host overhead and stalls."""
+    return {"kind": "model", "source": fit.source, **vars(fit.cost), "context_share": fit.share,
+            "host_ms": fit.tail.host_ms, "stall_prob": fit.tail.stall_prob}  # fmt: skip
+
+
+def sim_files() -> tuple[str, str]:
+    """``(sim_out, plot)``: the flags where given, else ``--fit``'s defaults beside this file."""
+    out, png = _SIM_FILES[FLAGS.fit]
+    return (
+        FLAGS.sim_out if FLAGS.sim_out is not None else str(_HERE / out),
+        FLAGS.plot if FLAGS.plot is not None else str(_HERE / png),
+    )
+
+
+def fit_label(sim_rows: list[dict]) -> str:
+    """Which rows the simulated rows were fitted to (rows without a ``model`` source: the older
+    engine's, as before the current fit existed)."""
+    src = next((r.get("source") for r in sim_rows if r["kind"] == "model"), None)
+    return "capacity rows" if src == "capacity" else "beat_profile rows"
+
+
 def sim_part() -> list[dict]:
-    fit = sim.fit_h200(er.read_rows(FLAGS.profile_rows))
-    rows = [{"kind": "validation", **v} for v in sim.validate(fit)]
+    fit = fit_models(er.read_rows(FLAGS.profile_rows))
+    rows = [model_row(fit)] + [{"kind": "validation", **v} for v in sim.validate(fit)]
 
     def probe(n: int, groups: int) -> dict:
         size = n // groups
@@ -154,7 +218,7 @@ def sim_part() -> list[dict]:
             if probe(n, groups)["missed"]:
                 break
             cap = n
-        for n in sorted({8, 16, 24, 32, 40, 48, cap} - {0}):
+        for n in sorted({*(int(x) for x in FLAGS.sim_sessions), cap} - {0}):
             if n % groups == 0:
                 rows.append({"kind": "sim", "groups": groups, "sessions": n, **probe(n, groups)})
         rows.append({"kind": "capacity", "groups": groups, "capacity": cap,
@@ -177,7 +241,7 @@ def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
         ax[0].plot([r["sessions"] for r in rs], [r["p99_ms"] for r in rs], "x--", label=f"{g} p99")
     ax[0].axhline(160, color="grey", lw=0.8, ls="--")
     ax[0].set(xlabel="sessions (all groups)", ylabel="beat latency ms",
-              title="H200, simulated: groups offset by P / groups")  # fmt: skip
+              title=f"H200, simulated ({fit_label(sim_rows)}): offsets P / groups")  # fmt: skip
     ax[0].legend(fontsize=7, ncol=2)
     gr = [r for r in engine_rows if r["kind"] == "groups"]
     if gr:
@@ -202,7 +266,14 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                   f"max {r['max_ms']:.1f} missed {r['missed_ticks']}/{r['steady_ticks']} "
                   f"tick {r['tick_ms']:.1f} ms")  # fmt: skip
     if sim_rows:
-        print("simulated H200")
+        print(f"simulated H200, fit to {fit_label(sim_rows)}")
+        for v in (r for r in sim_rows if r["kind"] == "validation"):
+            print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
+                  f"{v['sim_p50_ms']:.1f} ms ({100 * v['p50_error']:+.1f} %)")  # fmt: skip
+        for r in (r for r in sim_rows if r["kind"] == "sim"):
+            print(f"  {r['groups']} group(s), {r['sessions']:>3} sessions: p50 {r['p50_ms']:.1f} "
+                  f"p99 {r['p99_ms']:.1f} ms, missed {r['missed']:.1f}, "
+                  f"busy {r['busy_frac']:.2f}")  # fmt: skip
         for r in (r for r in sim_rows if r["kind"] == "capacity"):
             p99, busy = r.get("p99_ms", float("nan")), r.get("busy_frac", 0.0)
             print(f"{r['groups']} group(s): capacity {r['capacity']}, p99 at capacity "
@@ -211,11 +282,12 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
 
 def main(argv):
     del argv
+    sim_out, plot_path = sim_files()
     er.run_parts(
         FLAGS.parts,
         out=FLAGS.out,
-        sim_out=FLAGS.sim_out,
-        plot_path=FLAGS.plot,
+        sim_out=sim_out,
+        plot_path=plot_path,
         engine_part=engine_part,
         sim_part=sim_part,
         plot=plot,

@@ -8,6 +8,9 @@ and ``SlotBuckets`` on the real-time clock.
 
 Simulated part (``--parts=sim``; host only): an hour of Poisson calls on one H200 with the
 simulator fitted to the H200 rows: fixed slots against buckets, with a move cost and hysteresis.
+``--fit`` picks the rows: ``capacity`` (default: the current engine's ``experiments/capacity``
+rows, ``sim.fit_capacity``) or ``beat_profile`` (the older engine's, ``sim.fit_h200``: the README's
+history); the move cost comes from the beat_profile component and copy rows under either.
 See README.md beside this file.
 """
 
@@ -24,6 +27,7 @@ import numpy as np
 from absl import app, flags, logging
 
 _HERE = pathlib.Path(__file__).resolve().parent
+_REPO = _HERE.parents[1]
 sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
 import sim  # noqa: E402
@@ -45,14 +49,47 @@ flags.DEFINE_float("mean_live", 0.5, "Churn load: mean live sessions as a share 
 flags.DEFINE_integer("mean_call_beats", 20, "Churn: mean call length in beats (exponential).")
 flags.DEFINE_integer("shrink_after", 10, "SlotBuckets' hysteresis in beats (engine runs).")
 flags.DEFINE_string("out", str(_HERE / "results/cpu_tiny.jsonl"), "Engine rows (appended).")
-flags.DEFINE_string("sim_out", str(_HERE / "results/sim_h200.jsonl"), "Simulated rows (rewritten).")
-flags.DEFINE_string("profile_rows", str(er.H200_PROFILE), "H200 rows the simulator is fitted to.")
-flags.DEFINE_list("sim_buckets", ["8", "16", "32", "50"], "Simulated buckets (H200).")
+flags.DEFINE_enum(
+    "fit", "capacity", ["capacity", "beat_profile"],
+    "Rows the simulator is fitted to: 'capacity' (--capacity_rows, the current engine: "
+    "sim.fit_capacity) or 'beat_profile' (--profile_rows, the older engine 9dce6ca: sim.fit_h200).",
+)  # fmt: skip
+flags.DEFINE_string(
+    "capacity_rows", str(_REPO / "experiments/capacity/results/h200_reference.jsonl"),
+    "Current engine's H200 rows (baseline, probe, hold_full serve) for --fit=capacity.",
+)  # fmt: skip
+flags.DEFINE_string(
+    "profile_rows", str(er.H200_PROFILE),
+    "Older engine's H200 rows: tick and serve rows for --fit=beat_profile; component rows (the "
+    "context share, a slot's bytes) and copy rows (the move cost) for both fits.",
+)  # fmt: skip
+flags.DEFINE_string(
+    "sim_out", None,
+    "Simulated rows (rewritten); default results/sim_h200_current.jsonl for --fit=capacity, "
+    "results/sim_h200.jsonl for --fit=beat_profile.",
+)  # fmt: skip
+flags.DEFINE_list(
+    "sim_buckets", ["8", "16", "32", "capacity"],
+    "Simulated buckets (H200); the largest is the server's slots. 'capacity': the fit's simulated "
+    "lockstep capacity at zero misses (--seeds x --capacity_beats, host stalls off).",
+)  # fmt: skip
+flags.DEFINE_integer("seeds", 5, "Simulator seeds per capacity probe.")
+flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.")
 flags.DEFINE_list("erlangs", ["10", "20", "30", "40", "50"], "Simulated offered loads.")
 flags.DEFINE_list("hysteresis", ["0", "25", "125"], "Simulated shrink_after values (beats).")
 flags.DEFINE_integer("hour_beats", 22500, "Simulated beats (22,500 = one hour).")
-flags.DEFINE_string("plot", str(_HERE / "slot_buckets.png"), "PNG ('' for none).")
+flags.DEFINE_string(
+    "plot", None,
+    "PNG ('' for none); default slot_buckets_current.png for --fit=capacity, slot_buckets.png for "
+    "--fit=beat_profile.",
+)  # fmt: skip
 er.define_engine_flags()
+
+# Per --fit: the default simulated rows and figure, beside this file.
+_SIM_FILES = {
+    "capacity": ("results/sim_h200_current.jsonl", "slot_buckets_current.png"),
+    "beat_profile": ("results/sim_h200.jsonl", "slot_buckets.png"),
+}
 
 
 def churn_plans(slots: int, n_ticks: int, spb: int) -> list[SessionPlan]:
@@ -142,10 +179,67 @@ def bucket_sequence(live: np.ndarray, buckets: list[int], shrink_after: int) -> 
     return out
 
 
+def fit_models(profile: list[dict]) -> sim.H200Fit:
+    """The simulator's step-cost and tail models fitted to the rows ``--fit`` names."""
+    if FLAGS.fit == "beat_profile":
+        return sim.fit_h200(profile)
+    components = [r for r in profile if r["kind"] == "component"]
+    return sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components)
+
+
+def sim_files() -> tuple[str, str]:
+    """``(sim_out, plot)``: the flags where given, else ``--fit``'s defaults beside this file."""
+    out, png = _SIM_FILES[FLAGS.fit]
+    return (
+        FLAGS.sim_out if FLAGS.sim_out is not None else str(_HERE / out),
+        FLAGS.plot if FLAGS.plot is not None else str(_HERE / png),
+    )
+
+
+def fit_label(sim_rows: list[dict]) -> str:
+    """Which rows the simulated rows were fitted to (rows without a ``model`` source: the older
+    engine's, as before the current fit existed)."""
+    src = next((r.get("source") for r in sim_rows if r["kind"] == "model"), None)
+    return "capacity rows" if src == "capacity" else "beat_profile rows"
+
+
+def lockstep_capacity(fit: sim.H200Fit) -> int:
+    """The largest n that lockstep (slots = n, host stalls off) serves with no miss in any of
+    ``--seeds`` runs of ``--capacity_beats`` beats (as ``experiments/batching_policy``)."""
+    cap = 0
+    for n in range(1, 257):
+        runs = [
+            sim.simulate_lockstep(fit.cost, FLAGS.capacity_beats, n, slots=n, tail=fit.quiet,
+                                  rng=np.random.default_rng(s)).summary()
+            for s in range(FLAGS.seeds)
+        ]  # fmt: skip
+        if any(r["missed"] for r in runs):
+            break
+        cap = n
+    return cap
+
+
+def one_grow(fit: sim.H200Fit, buckets: list[int], resize_ms, beats: int = 40) -> dict:
+    """One move from the second largest bucket into the largest, no jitter, the fit's host time:
+    how many beats come out late, and the latencies from the grow on (the backlog draining)."""
+    low, top = buckets[-2], buckets[-1]
+    res = sim.simulate_lockstep(fit.cost, 2 * beats, lambda k: low if k < beats else top,
+                                slots=top, buckets=buckets,
+                                tail=sim.Tail(host_ms=fit.tail.host_ms),
+                                resize_ms=resize_ms)  # fmt: skip
+    after = res.latency_ms[beats:]
+    return {"kind": "one_grow", "from": low, "to": top, "move_ms": resize_ms(low, top),
+            "tick_ms": fit.cost.tick_ms(top), "host_ms": fit.tail.host_ms,
+            "late_beats": int(res.missed.sum()),
+            "latency_ms": after[: int(res.missed.sum()) + 2].tolist()}  # fmt: skip
+
+
 def sim_part() -> list[dict]:
     prof = er.read_rows(FLAGS.profile_rows)
-    fit = sim.fit_h200(prof)
-    rows = [{"kind": "model", **vars(fit.cost)}]
+    fit = fit_models(prof)
+    rows = [{"kind": "model", "source": fit.source, **vars(fit.cost),
+             "context_share": fit.share, "host_ms": fit.tail.host_ms,
+             "stall_prob": fit.tail.stall_prob}]  # fmt: skip
     rows += [{"kind": "validation", **v} for v in sim.validate(fit)]
     adm = next(r for r in fit.components if r["component"].startswith("admission"))
     slot_bytes = adm["bytes"]  # one slot's state (the template written on admission)
@@ -157,12 +251,18 @@ def sim_part() -> list[dict]:
         return (b * slot_bytes / (copy_tbps * 1e12) + 2 * min(a, b) * slot_bytes
                 / (adm["tbps"] * 1e12)) * 1e3  # fmt: skip
 
-    buckets = sorted(int(x) for x in FLAGS.sim_buckets)
+    cap = lockstep_capacity(fit) if "capacity" in FLAGS.sim_buckets else None
+    if cap is not None:
+        rows.append({"kind": "capacity", "policy": "lockstep", "capacity": cap})
+        logging.info("simulated lockstep capacity: %d", cap)
+    buckets = sorted({cap if x == "capacity" else int(x) for x in FLAGS.sim_buckets})
     top = buckets[-1]
     pairs = itertools.permutations(buckets, 2)
     rows.append({"kind": "move_model", "slot_bytes": slot_bytes, "copy_tbps": copy_tbps,
                  "slot_write_tbps": adm["tbps"],
                  **{f"ms_{a}_{b}": resize_ms(a, b) for a, b in pairs}})  # fmt: skip
+    if len(buckets) > 1:
+        rows.append(one_grow(fit, buckets, resize_ms))
     n = FLAGS.hour_beats
     for e in (float(x) for x in FLAGS.erlangs):
         tr = sim.poisson_traffic(np.random.default_rng(7), rate_per_s=e / 60.0,
@@ -211,13 +311,14 @@ def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
         ax[0].plot([r["mean_live"] for r in rs], [r["busy_gpu_s_per_conv_h"] for r in rs], ".-",
                    label=v)  # fmt: skip
     ax[0].set(xlabel="mean live calls", ylabel="busy GPU-s per conversation-hour",
-              title="H200, simulated: an hour of Poisson calls")  # fmt: skip
+              title=f"H200, simulated ({fit_label(sim_rows)}): an hour of calls")  # fmt: skip
     ax[0].legend(fontsize=8)
     for v in dict.fromkeys(r["variant"] for r in hr):
         rs = [r for r in hr if r["variant"] == v]
         ax[1].plot([r["mean_live"] for r in rs], [r["p99_ms"] for r in rs], ".-", label=v)
     ax[1].axhline(160, color="grey", lw=0.8, ls="--")
-    ax[1].set(xlabel="mean live calls", ylabel="p99 beat ms", title="H200, simulated")
+    ax[1].set(xlabel="mean live calls", ylabel="p99 beat ms",
+              title=f"H200, simulated ({fit_label(sim_rows)})")  # fmt: skip
     ax[1].legend(fontsize=8)
     ticks = [r for r in engine_rows if r["kind"] == "tick"]
     for eng, mark in (("fixed", "o-"), ("buckets", "s--")):
@@ -249,7 +350,23 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                       f"missed {r['missed_ticks']}/{r['steady_ticks']} "
                       f"moves {r.get('moves', 0)} resizes {r.get('resizes', 0)}")  # fmt: skip
     if sim_rows:
-        print("simulated H200, an hour of Poisson calls")
+        m = next(r for r in sim_rows if r["kind"] == "model")
+        print(f"simulated H200, fit to {fit_label(sim_rows)}: t(B) = {m['a_ms']:.2f} + "
+              f"{m['b_ms']:.3f}*B + {m['c_ms']:.3f}*B*x ms per frame-step")  # fmt: skip
+        for v in (r for r in sim_rows if r["kind"] == "validation"):
+            print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
+                  f"{v['sim_p50_ms']:.1f} ms ({100 * v['p50_error']:+.1f} %)")  # fmt: skip
+        for r in (r for r in sim_rows if r["kind"] == "capacity"):
+            print(f"  simulated lockstep capacity (the largest bucket): {r['capacity']}")
+        mm = next(r for r in sim_rows if r["kind"] == "move_model")
+        print("  move ms: " + ", ".join(f"{k[3:].replace('_', '->')} {v:.1f}"
+                                        for k, v in mm.items() if k.startswith("ms_")))  # fmt: skip
+        for g in (r for r in sim_rows if r["kind"] == "one_grow"):
+            lat = ", ".join(f"{x:.1f}" for x in g["latency_ms"])
+            print(f"  one grow {g['from']} -> {g['to']} ({g['move_ms']:.1f} ms on a "
+                  f"{g['tick_ms']:.1f} ms tick, no jitter): {g['late_beats']} beats late; "
+                  f"latency {lat} ms")  # fmt: skip
+        print("an hour of Poisson calls")
         print(f"{'E':>4} {'variant':>12} {'live':>5} {'bucket':>6} {'p50':>6} {'p99':>6} "
               f"{'miss %':>6} {'busy':>5} {'GPU-s/conv-h':>12} {'resizes':>7}")  # fmt: skip
         for r in (r for r in sim_rows if r["kind"] == "hour"):
@@ -261,11 +378,12 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
 
 def main(argv):
     del argv
+    sim_out, plot_path = sim_files()
     er.run_parts(
         FLAGS.parts,
         out=FLAGS.out,
-        sim_out=FLAGS.sim_out,
-        plot_path=FLAGS.plot,
+        sim_out=sim_out,
+        plot_path=plot_path,
         engine_part=engine_part,
         sim_part=sim_part,
         plot=plot,
