@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,7 @@ def test_the_policy_lives_in_serve_config():
         ServeConfig(precision="fp8")
 
 
+@functools.cache  # each policy's tick is lowered once for the file
 def _lowered_tick(precision: Precision) -> str:
     params = jax.eval_shape(lambda: voicechat.init(jax.random.key(0), CFG, precision))
     template = jax.eval_shape(

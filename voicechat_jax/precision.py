@@ -109,7 +109,9 @@ class Precision:
         return cls(tts_kv=jnp.bfloat16, codec_matmul="tensorfloat32")
 
 
-def lax_precision(matmul: str, platform: str | None = None):
+def lax_precision(
+    matmul: str, platform: str | None = None
+) -> jax.lax.Precision | jax.lax.DotAlgorithmPreset:
     """The explicit ``precision=`` of a product under a ``CODEC_MATMUL`` choice (static).
 
     'float32' is ``HIGHEST`` (full fp32); 'tensorfloat32' ``HIGH`` (TF32 inputs on a GPU, fp32 on
