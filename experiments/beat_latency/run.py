@@ -163,7 +163,7 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         server.run(plans, ticks)
     s = server.metrics.summary()
     lat = s["latency_ms"]
-    return {
+    row = {
         "model": FLAGS.model,
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
@@ -193,7 +193,10 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "warmup_max_ms": s["warmup"]["latency_ms"]["max"],
         "state_gib": round(engine.memory.state_bytes / 2**30, 2),
         "memory_gib": device_memory(),
-    } | churn | ({"events": s["events"], "ended": s.get("ended", {})} if churn else {})
+    }
+    if churn:
+        row |= churn | {"events": s["events"], "ended": s.get("ended", {})}
+    return row
 
 
 def tick_times(engine: Engine, ticks: int, *, warmup: int = 0) -> np.ndarray:
