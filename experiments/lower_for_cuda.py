@@ -1,0 +1,94 @@
+"""Lowers the dispatch tick for CUDA on a machine without a GPU: a check before device time.
+
+The tick is traced as it would be on a GPU (the Pallas kernels as Triton calls, not in the
+interpreter; the codec's multi-pass product presets, which the CPU refuses) and lowered for the
+``cuda`` platform, with abstract weights and state, so a configuration that cannot lower fails
+here and not on the lent machine. It does not compile: XLA's GPU compile, Triton's included,
+needs the device. Prints the size of the lowered module, its Triton calls and its products by
+precision.
+
+  PYTHONPATH=. python3 experiments/lower_for_cuda.py --model=voicechat_11b --ssm_kernel=pallas \
+    --attention=pallas --tts_attention=pallas_mha --codec_matmul=tf32_x3
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+
+import jax
+from absl import app, flags
+
+from voicechat_jax import config as config_lib
+from voicechat_jax import state as state_lib
+from voicechat_jax import step as step_lib
+from voicechat_jax.model import voicechat
+from voicechat_jax.precision import CODEC_MATMUL, policy
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "tiny", "Preset: tiny | voicechat_11b.")
+flags.DEFINE_string("precision", "reference", "Precision policy (voicechat_jax.precision).")
+flags.DEFINE_enum("codec_matmul", None, list(CODEC_MATMUL), "Override of the policy's.")
+flags.DEFINE_integer("slots", 4, "Slots of the tick.")
+flags.DEFINE_integer("context_frames", 64, "Context cap (the shapes, not the cost, matter here).")
+flags.DEFINE_enum("ssm_kernel", "pallas", [m.value for m in config_lib.SSMKernel], "Mamba step.")
+flags.DEFINE_enum("attention", "pallas", [m.value for m in config_lib.AttentionImpl], "LLM's.")
+flags.DEFINE_enum(
+    "tts_attention", "pallas_mha", [m.value for m in config_lib.AttentionImpl], "Speech decoder's."
+)
+
+
+@contextlib.contextmanager
+def traced_as_gpu():
+    """``jax.default_backend()`` answers 'gpu' while the tick is traced: the model picks its
+    kernels and product presets from it (``model.attention``, ``precision.lax_precision``)."""
+    real = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        yield
+    finally:
+        jax.default_backend = real
+
+
+def main(argv):
+    del argv
+    cfg = config_lib.PRESETS[FLAGS.model]()
+    precision = policy(FLAGS.precision)
+    if FLAGS.codec_matmul:
+        precision = dataclasses.replace(precision, codec_matmul=FLAGS.codec_matmul)
+    serve = config_lib.ServeConfig(
+        slots=FLAGS.slots,
+        context_frames=FLAGS.context_frames,
+        ssm_kernel=FLAGS.ssm_kernel,
+        attention=FLAGS.attention,
+        tts_attention=FLAGS.tts_attention,
+        precision=precision,
+    )
+    params = jax.eval_shape(lambda: voicechat.init(jax.random.key(0), cfg, precision))
+    template = jax.eval_shape(
+        lambda p: voicechat.initial_state(
+            p, cfg=cfg, precision=precision, max_len=FLAGS.context_frames
+        ),
+        params,
+    )
+    state = jax.eval_shape(lambda t: state_lib.from_template(t, serve.slots), template)
+    beat = state_lib.empty_beat(serve.slots, serve.frames_per_tick * 1280)
+    with traced_as_gpu():
+        traced = step_lib.make_tick(cfg, serve).trace(params, state, template, beat)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    products = re.findall(r"stablehlo\.dot_general[^\n]*", text)
+    kinds = {
+        "tf32_x3": sum("lhs_precision_type = tf32" in p for p in products),
+        "bf16_x6": sum("lhs_precision_type = bf16" in p and "algorithm" in p for p in products),
+        "HIGHEST": sum("HIGHEST" in p for p in products),
+        "HIGH": sum("[HIGH, HIGH]" in p for p in products),
+    }
+    print(
+        f"{FLAGS.model} tick lowered for cuda: {len(text):,} characters, "
+        f"{text.count('__gpu$xla.gpu.triton')} Triton calls, {len(products)} products {kinds}"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)
