@@ -27,6 +27,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
+import fits  # noqa: E402
 import sim  # noqa: E402
 
 from voicechat_jax.engine import Engine  # noqa: E402
@@ -44,25 +45,6 @@ flags.DEFINE_list("queue_beats", ["0", "10", "30"], "Engine part: queue timeouts
 flags.DEFINE_integer("ticks", 80, "Engine part: real-time beats per run.")
 flags.DEFINE_integer("context_frames", 64, "Context cap in frames (1500 on the H200).")
 flags.DEFINE_string("out", str(_HERE / "results/cpu_tiny.jsonl"), "Engine rows (appended).")
-flags.DEFINE_enum(
-    "fit", "capacity", ["capacity", "beat_profile"],
-    "Rows the simulator is fitted to: 'capacity' (--capacity_rows, the current engine: "
-    "sim.fit_capacity) or 'beat_profile' (--profile_rows, the older engine 9dce6ca: sim.fit_h200).",
-)  # fmt: skip
-flags.DEFINE_string(
-    "capacity_rows", str(_REPO / "experiments/capacity/results/h200_reference.jsonl"),
-    "Current engine's H200 rows (baseline, probe, hold_full serve) for --fit=capacity.",
-)  # fmt: skip
-flags.DEFINE_string(
-    "profile_rows", str(er.H200_PROFILE),
-    "Older engine's H200 rows: tick and serve rows for --fit=beat_profile; component rows (the "
-    "context share) for both fits.",
-)  # fmt: skip
-flags.DEFINE_string(
-    "sim_out", None,
-    "Simulated rows (rewritten); default results/sim_h200_current.jsonl for --fit=capacity, "
-    "results/sim_h200.jsonl for --fit=beat_profile.",
-)  # fmt: skip
 flags.DEFINE_float("span_s", 5400.0, "Simulated seconds of traffic (90 minutes).")
 flags.DEFINE_float("base_erlangs", 40.0, "Offered load outside bursts (arrivals x mean call).")
 flags.DEFINE_list("poisson_erlangs", ["50", "60", "80"], "Plain Poisson loads (overload).")
@@ -73,18 +55,8 @@ flags.DEFINE_list("max_live", ["40", "50", "56", "64"], "Admission thresholds (l
 flags.DEFINE_list("queue_s", ["0", "10", "30"], "Queue timeouts in seconds (0: refuse at once).")
 flags.DEFINE_float("mean_call_s", 60.0, "Mean call length (exponential), seconds ...")
 flags.DEFINE_float("max_call_s", 120.0, "... cut at the context cap.")
-flags.DEFINE_string(
-    "plot", None,
-    "PNG ('' for none); default admission_overload_current.png for --fit=capacity, "
-    "admission_overload.png for --fit=beat_profile.",
-)  # fmt: skip
 er.define_engine_flags()
-
-# Per --fit: the default simulated rows and figure, beside this file.
-_SIM_FILES = {
-    "capacity": ("results/sim_h200_current.jsonl", "admission_overload_current.png"),
-    "beat_profile": ("results/sim_h200.jsonl", "admission_overload.png"),
-}
+fits.define_fit_flags("admission_overload")
 
 
 # ---- engine part -------------------------------------------------------------------------------
@@ -141,39 +113,9 @@ def patterns(rng_seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def fit_models(profile: list[dict]) -> sim.H200Fit:
-    """The simulator's step-cost and tail models fitted to the rows ``--fit`` names."""
-    if FLAGS.fit == "beat_profile":
-        return sim.fit_h200(profile)
-    components = [r for r in profile if r["kind"] == "component"]
-    return sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components)
-
-
-def model_row(fit: sim.H200Fit) -> dict:
-    """The fit the simulated rows come from: its rows, step cost, host overhead and stalls."""
-    return {"kind": "model", "source": fit.source, **vars(fit.cost), "context_share": fit.share,
-            "host_ms": fit.tail.host_ms, "stall_prob": fit.tail.stall_prob}  # fmt: skip
-
-
-def sim_files() -> tuple[str, str]:
-    """``(sim_out, plot)``: the flags where given, else ``--fit``'s defaults beside this file."""
-    out, png = _SIM_FILES[FLAGS.fit]
-    return (
-        FLAGS.sim_out if FLAGS.sim_out is not None else str(_HERE / out),
-        FLAGS.plot if FLAGS.plot is not None else str(_HERE / png),
-    )
-
-
-def fit_label(sim_rows: list[dict]) -> str:
-    """Which rows the simulated rows were fitted to (rows without a ``model`` source: the older
-    engine's, as before the current fit existed)."""
-    src = next((r.get("source") for r in sim_rows if r["kind"] == "model"), None)
-    return "capacity rows" if src == "capacity" else "beat_profile rows"
-
-
 def sim_part() -> list[dict]:
-    fit = fit_models(er.read_rows(FLAGS.profile_rows))
-    rows = [model_row(fit)] + [{"kind": "validation", **v} for v in sim.validate(fit)]
+    fit = fits.fit_models(er.read_rows(FLAGS.profile_rows))
+    rows = [fits.model_row(fit)] + [{"kind": "validation", **v} for v in sim.validate(fit)]
     n_beats = int(FLAGS.span_s * 1e3 / sim.BEAT_MS)
     for name, arr in patterns(11).items():
         dur = np.minimum(np.random.default_rng(12).exponential(FLAGS.mean_call_s, arr.size),
@@ -225,7 +167,8 @@ def plot(sim_rows: list[dict], path: str) -> None:
               yscale="symlog")  # fmt: skip
         a.set_yscale("symlog", linthresh=1e-4)
         a.legend(fontsize=7)
-    fig.suptitle(f"H200, simulated ({fit_label(sim_rows)}): labels are the admission threshold")
+    label = fits.fit_label(sim_rows)
+    fig.suptitle(f"H200, simulated ({label}): labels are the admission threshold")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -239,7 +182,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                   f"queued {r['queued']}, waited {r['waited_beats']} beats, "
                   f"missed {r['missed_ticks']}/{r['steady_ticks']}")  # fmt: skip
     if sim_rows:
-        print(f"simulated H200, fit to {fit_label(sim_rows)}")
+        print(f"simulated H200, fit to {fits.fit_label(sim_rows)}")
         for v in (r for r in sim_rows if r["kind"] == "validation"):
             print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
                   f"{v['sim_p50_ms']:.1f} ms ({100 * v['p50_error']:+.1f} %)")  # fmt: skip
@@ -253,7 +196,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
 
 def main(argv):
     del argv
-    sim_out, plot_path = sim_files()
+    sim_out, plot_path = fits.sim_files(_HERE, "admission_overload")
     er.run_parts(
         FLAGS.parts,
         out=FLAGS.out,

@@ -29,6 +29,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
+import fits  # noqa: E402
 import sim  # noqa: E402
 
 from voicechat_jax.engine import Engine  # noqa: E402
@@ -48,40 +49,11 @@ flags.DEFINE_integer("context_frames", 64, "Context cap in frames (1500 on the H
 flags.DEFINE_float("late_fraction", 0.1, "Share of client beats that arrive one beat late.")
 flags.DEFINE_integer("window_beats", 1, "WaitingWindow's window in the late-input comparison.")
 flags.DEFINE_string("out", str(_HERE / "results/cpu_tiny.jsonl"), "Engine rows (appended).")
-flags.DEFINE_enum(
-    "fit", "capacity", ["capacity", "beat_profile"],
-    "Rows the simulator is fitted to: 'capacity' (--capacity_rows, the current engine: "
-    "sim.fit_capacity) or 'beat_profile' (--profile_rows, the older engine 9dce6ca: sim.fit_h200).",
-)  # fmt: skip
-flags.DEFINE_string(
-    "capacity_rows", str(_REPO / "experiments/capacity/results/h200_reference.jsonl"),
-    "Current engine's H200 rows (baseline, probe, hold_full serve) for --fit=capacity.",
-)  # fmt: skip
-flags.DEFINE_string(
-    "profile_rows", str(er.H200_PROFILE),
-    "Older engine's H200 rows: tick and serve rows for --fit=beat_profile, component rows (the "
-    "context share) for both fits.",
-)  # fmt: skip
-flags.DEFINE_string(
-    "sim_out", None,
-    "Simulated rows (rewritten); default results/sim_h200_current.jsonl for --fit=capacity, "
-    "results/sim_h200.jsonl for --fit=beat_profile.",
-)  # fmt: skip
 flags.DEFINE_integer("seeds", 5, "Simulator seeds per point.")
 flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.")
 flags.DEFINE_list("windows_ms", ["0", "20", "60"], "Request-batching windows (simulated).")
-flags.DEFINE_string(
-    "plot", None,
-    "PNG ('' for none); default batching_policy_current.png for --fit=capacity, "
-    "batching_policy.png for --fit=beat_profile.",
-)  # fmt: skip
 er.define_engine_flags()
-
-# Per --fit: the default simulated rows and figure, beside this file.
-_SIM_FILES = {
-    "capacity": ("results/sim_h200_current.jsonl", "batching_policy_current.png"),
-    "beat_profile": ("results/sim_h200.jsonl", "batching_policy.png"),
-}
+fits.define_fit_flags("batching_policy")
 
 
 def per_session_run(engine: Engine, n: int, n_ticks: int, warmup: int) -> dict:
@@ -195,33 +167,8 @@ def _mean(runs: list[dict]) -> dict:
     return {k: float(np.mean([r[k] for r in runs])) for k in keys}
 
 
-def fit_models() -> sim.H200Fit:
-    """The simulator's step-cost and tail models fitted to the rows ``--fit`` names."""
-    profile = er.read_rows(FLAGS.profile_rows)
-    if FLAGS.fit == "beat_profile":
-        return sim.fit_h200(profile)
-    components = [r for r in profile if r["kind"] == "component"]
-    return sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components)
-
-
-def sim_files() -> tuple[str, str]:
-    """``(sim_out, plot)``: the flags where given, else ``--fit``'s defaults beside this file."""
-    out, png = _SIM_FILES[FLAGS.fit]
-    return (
-        FLAGS.sim_out if FLAGS.sim_out is not None else str(_HERE / out),
-        FLAGS.plot if FLAGS.plot is not None else str(_HERE / png),
-    )
-
-
-def fit_label(sim_rows: list[dict]) -> str:
-    """Which rows the simulated rows were fitted to (rows without a ``model`` source: the older
-    engine's, as before the current fit existed)."""
-    src = next((r.get("source") for r in sim_rows if r["kind"] == "model"), None)
-    return "capacity rows" if src == "capacity" else "beat_profile rows"
-
-
 def sim_part() -> list[dict]:
-    fit = fit_models()
+    fit = fits.fit_models()
     rows = [{"kind": "model", "source": fit.source, **vars(fit.cost), "context_share": fit.share,
              "host_ms": fit.tail.host_ms, "stall_prob": fit.tail.stall_prob}]  # fmt: skip
     rows += [{"kind": "validation", **v} for v in sim.validate(fit, FLAGS.seeds)]
@@ -271,7 +218,7 @@ def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
         ax[0].plot([r["sessions"] for r in rs], [r["p99_ms"] for r in rs], ".-", label=name)
     ax[0].axhline(160, color="grey", lw=0.8, ls="--")
     ax[0].set(xscale="log", yscale="log", xlabel="sessions", ylabel="p99 beat latency ms",
-              title=f"H200, simulated (fit to {fit_label(sim_rows)})")  # fmt: skip
+              title=f"H200, simulated (fit to {fits.fit_label(sim_rows)})")  # fmt: skip
     ax[0].legend(fontsize=8)
     for kind, mark in (("lockstep", "o-"), ("per_session", "s--")):
         rs = sorted((r for r in engine_rows if r["kind"] == kind), key=lambda r: r["sessions"])
@@ -303,7 +250,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                   f"{r['held_session_beats']}, p50 {r['p50_ms']:.1f} ms")  # fmt: skip
     if sim_rows:
         m = next(r for r in sim_rows if r["kind"] == "model")
-        print(f"simulated H200, fit to {fit_label(sim_rows)}: t(B) = {m['a_ms']:.2f} + "
+        print(f"simulated H200, fit to {fits.fit_label(sim_rows)}: t(B) = {m['a_ms']:.2f} + "
               f"{m['b_ms']:.3f}*B + {m['c_ms']:.3f}*B*x ms per frame-step")  # fmt: skip
         print("validation: p50 error per real serving row")
         for v in (r for r in sim_rows if r["kind"] == "validation"):
@@ -319,7 +266,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
 
 def main(argv):
     del argv
-    sim_out, plot_path = sim_files()
+    sim_out, plot_path = fits.sim_files(_HERE, "batching_policy")
     er.run_parts(
         FLAGS.parts,
         out=FLAGS.out,

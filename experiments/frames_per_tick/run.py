@@ -29,6 +29,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
+import fits  # noqa: E402
 import sim  # noqa: E402
 
 from voicechat_jax.engine import Engine  # noqa: E402
@@ -43,39 +44,11 @@ flags.DEFINE_integer("ticks", 40, "Real-time beats per serving run (warm-up incl
 flags.DEFINE_integer("timed_ticks", 10, "Back-to-back ticks timed per point.")
 flags.DEFINE_integer("context_frames", 64, "Context cap in frames (1500 on the H200).")
 flags.DEFINE_string("out", str(_HERE / "results/cpu_tiny.jsonl"), "Engine rows (appended).")
-flags.DEFINE_enum(
-    "fit", "capacity", ["capacity", "beat_profile"],
-    "Rows the simulator is fitted to: 'capacity' (--capacity_rows, the current engine: "
-    "sim.fit_capacity) or 'beat_profile' (--profile_rows, the older engine 9dce6ca: sim.fit_h200).",
-)  # fmt: skip
-flags.DEFINE_string(
-    "capacity_rows", str(_REPO / "experiments/capacity/results/h200_reference.jsonl"),
-    "Current engine's H200 rows (baseline, probe, hold_full serve) for --fit=capacity.",
-)  # fmt: skip
-flags.DEFINE_string(
-    "profile_rows", str(er.H200_PROFILE),
-    "Older engine's H200 rows: tick and serve rows for --fit=beat_profile; component rows (the "
-    "context share; the tick's split into per-frame and per-beat parts) for both fits.",
-)  # fmt: skip
-flags.DEFINE_string(
-    "sim_out", None,
-    "Simulated rows (rewritten); default results/sim_h200_current.jsonl for --fit=capacity, "
-    "results/sim_h200.jsonl for --fit=beat_profile.",
-)  # fmt: skip
 flags.DEFINE_integer("seeds", 5, "Simulator seeds per capacity probe.")
 flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.")
-flags.DEFINE_string(
-    "plot", None,
-    "PNG ('' for none); default frames_per_tick_current.png for --fit=capacity, "
-    "frames_per_tick.png for --fit=beat_profile.",
-)  # fmt: skip
 er.define_engine_flags()
+fits.define_fit_flags("frames_per_tick")
 
-# Per --fit: the default simulated rows and figure, beside this file.
-_SIM_FILES = {
-    "capacity": ("results/sim_h200_current.jsonl", "frames_per_tick_current.png"),
-    "beat_profile": ("results/sim_h200.jsonl", "frames_per_tick.png"),
-}
 
 # Components that run once per beat on all its frames (the rest step once per frame).
 PER_BEAT = ("mel + encoder", "RNNT head", "codec decode")
@@ -136,40 +109,10 @@ def tick_model(fit: sim.H200Fit, lines: dict, f: int, per_beat_scales: bool):
     return ms
 
 
-def fit_models(profile: list[dict]) -> sim.H200Fit:
-    """The simulator's step-cost and tail models fitted to the rows ``--fit`` names."""
-    if FLAGS.fit == "beat_profile":
-        return sim.fit_h200(profile)
-    components = [r for r in profile if r["kind"] == "component"]
-    return sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components)
-
-
-def model_row(fit: sim.H200Fit) -> dict:
-    """The fit the simulated rows come from: its rows, step cost, host overhead and stalls."""
-    return {"kind": "model", "source": fit.source, **vars(fit.cost), "context_share": fit.share,
-            "host_ms": fit.tail.host_ms, "stall_prob": fit.tail.stall_prob}  # fmt: skip
-
-
-def sim_files() -> tuple[str, str]:
-    """``(sim_out, plot)``: the flags where given, else ``--fit``'s defaults beside this file."""
-    out, png = _SIM_FILES[FLAGS.fit]
-    return (
-        FLAGS.sim_out if FLAGS.sim_out is not None else str(_HERE / out),
-        FLAGS.plot if FLAGS.plot is not None else str(_HERE / png),
-    )
-
-
-def fit_label(sim_rows: list[dict]) -> str:
-    """Which rows the simulated rows were fitted to (rows without a ``model`` source: the older
-    engine's, as before the current fit existed)."""
-    src = next((r.get("source") for r in sim_rows if r["kind"] == "model"), None)
-    return "capacity rows" if src == "capacity" else "beat_profile rows"
-
-
 def sim_part() -> list[dict]:
-    fit = fit_models(er.read_rows(FLAGS.profile_rows))
+    fit = fits.fit_models(er.read_rows(FLAGS.profile_rows))
     lines = component_lines(fit.components)
-    rows = [model_row(fit), {"kind": "components", "lines": lines}]
+    rows = [fits.model_row(fit), {"kind": "components", "lines": lines}]
     rows += [{"kind": "validation", **v} for v in sim.validate(fit)]
     for per_beat_scales in (False, True):
         for f in (int(x) for x in FLAGS.fpt):
@@ -214,7 +157,7 @@ def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
     caps = [r for r in sim_rows if r["kind"] == "capacity"]
-    label = fit_label(sim_rows)
+    label = fits.fit_label(sim_rows)
     for scales, mark in ((False, "o-"), (True, "s--")):
         rs = [r for r in caps if r["per_beat_scales"] == scales]
         lab = "per-beat parts ~ f" if scales else "per-beat parts fixed"
@@ -254,7 +197,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                       f"p99 {r['p99_ms']:.1f} missed {r['missed_ticks']}/{r['steady_ticks']}, "
                       f"input-to-output p50 {r['input_to_output_p50_ms']:.0f} ms")  # fmt: skip
     if sim_rows:
-        print(f"simulated H200, fit to {fit_label(sim_rows)} (not validated at f != 2)")
+        print(f"simulated H200, fit to {fits.fit_label(sim_rows)} (not validated at f != 2)")
         for v in (r for r in sim_rows if r["kind"] == "validation"):
             print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
                   f"{v['sim_p50_ms']:.1f} ms ({100 * v['p50_error']:+.1f} %)")  # fmt: skip
@@ -269,7 +212,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
 
 def main(argv):
     del argv
-    sim_out, plot_path = sim_files()
+    sim_out, plot_path = fits.sim_files(_HERE, "frames_per_tick")
     er.run_parts(
         FLAGS.parts,
         out=FLAGS.out,

@@ -42,6 +42,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
+import fits  # noqa: E402
 import sim  # noqa: E402
 
 from voicechat_jax.engine import build_template  # noqa: E402
@@ -55,25 +56,6 @@ flags.DEFINE_list("speaking", ["0.25", "0.5", "0.75"], "Share of the slots whose
 flags.DEFINE_integer("calls", 10, "Timed calls per point (median).")
 flags.DEFINE_integer("context_frames", 64, "Context cap in frames (1500 on the H200).")
 flags.DEFINE_string("out", str(_HERE / "results/cpu_tiny.jsonl"), "Engine rows (appended).")
-flags.DEFINE_enum(
-    "fit", "capacity", ["capacity", "beat_profile"],
-    "Rows the simulator is fitted to: 'capacity' (--capacity_rows, the current engine: "
-    "sim.fit_capacity) or 'beat_profile' (--profile_rows, the older engine 9dce6ca: sim.fit_h200).",
-)  # fmt: skip
-flags.DEFINE_string(
-    "capacity_rows", str(_REPO / "experiments/capacity/results/h200_reference.jsonl"),
-    "Current engine's H200 rows (baseline, probe, hold_full serve) for --fit=capacity.",
-)  # fmt: skip
-flags.DEFINE_string(
-    "profile_rows", str(er.H200_PROFILE),
-    "Older engine's H200 rows: tick and serve rows for --fit=beat_profile; component rows (the "
-    "context share, the speech decoder's ms and KV bytes) and copy rows for both fits.",
-)  # fmt: skip
-flags.DEFINE_string(
-    "sim_out", None,
-    "Simulated rows (rewritten); default results/sim_h200_current.jsonl for --fit=capacity, "
-    "results/sim_h200.jsonl for --fit=beat_profile.",
-)  # fmt: skip
 flags.DEFINE_list("sim_speaking", ["0.3", "0.5", "0.7", "1.0"], "Simulated speaking shares.")
 flags.DEFINE_integer("seeds", 5, "Simulator seeds per capacity probe.")
 flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.")
@@ -84,18 +66,9 @@ flags.DEFINE_enum(
     "all components: the speech decoder's share of the component rows kept, as frames_per_tick "
     "scales them).",
 )  # fmt: skip
-flags.DEFINE_string(
-    "plot", None,
-    "PNG ('' for none); default idle_speech_current.png for --fit=capacity, idle_speech.png for "
-    "--fit=beat_profile.",
-)  # fmt: skip
 er.define_engine_flags()
+fits.define_fit_flags("idle_speech")
 
-# Per --fit: the default simulated rows and figure, beside this file.
-_SIM_FILES = {
-    "capacity": ("results/sim_h200_current.jsonl", "idle_speech_current.png"),
-    "beat_profile": ("results/sim_h200.jsonl", "idle_speech.png"),
-}
 
 # The speech decoder's components in the beat_profile rows: per frame, and the codec per beat.
 SPEECH_FRAME = ("TTS backbone", "TTS text side", "MoG round", "RVQ encoding")
@@ -207,39 +180,9 @@ def lines(components: list[dict], names: tuple[str, ...]) -> tuple[float, float]
     return a, b
 
 
-def fit_models(profile: list[dict]) -> sim.H200Fit:
-    """The simulator's step-cost and tail models fitted to the rows ``--fit`` names."""
-    if FLAGS.fit == "beat_profile":
-        return sim.fit_h200(profile)
-    components = [r for r in profile if r["kind"] == "component"]
-    return sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components)
-
-
-def model_row(fit: sim.H200Fit) -> dict:
-    """The fit the simulated rows come from: its rows, step cost, host overhead and stalls."""
-    return {"kind": "model", "source": fit.source, **vars(fit.cost), "context_share": fit.share,
-            "host_ms": fit.tail.host_ms, "stall_prob": fit.tail.stall_prob}  # fmt: skip
-
-
-def sim_files() -> tuple[str, str]:
-    """``(sim_out, plot)``: the flags where given, else ``--fit``'s defaults beside this file."""
-    out, png = _SIM_FILES[FLAGS.fit]
-    return (
-        FLAGS.sim_out if FLAGS.sim_out is not None else str(_HERE / out),
-        FLAGS.plot if FLAGS.plot is not None else str(_HERE / png),
-    )
-
-
-def fit_label(sim_rows: list[dict]) -> str:
-    """Which rows the simulated rows were fitted to (rows without a ``model`` source: the older
-    engine's, as before the current fit existed)."""
-    src = next((r.get("source") for r in sim_rows if r["kind"] == "model"), None)
-    return "capacity rows" if src == "capacity" else "beat_profile rows"
-
-
 def sim_part() -> list[dict]:
     prof = er.read_rows(FLAGS.profile_rows)
-    fit = fit_models(prof)
+    fit = fits.fit_models(prof)
     comps = fit.components
     fa, fb = lines(comps, SPEECH_FRAME)
     ca, cb = lines(comps, SPEECH_BEAT)
@@ -251,7 +194,7 @@ def sim_part() -> list[dict]:
     tts_name = next(c for c, s in by if c.startswith("TTS backbone"))
     kv_bytes = (by[(tts_name, 32)] - by[(tts_name, 16)]) / 16  # a session's KV read per frame
     copy_tbps = float(np.mean([r["tbps"] for r in prof if r["kind"] == "copy"]))
-    rows = [{**model_row(fit), "speech_cost": FLAGS.speech_cost, "speech_frame_ms": [fa, fb],
+    rows = [{**fits.model_row(fit), "speech_cost": FLAGS.speech_cost, "speech_frame_ms": [fa, fb],
              "speech_beat_ms": [ca, cb], "components_ms": [ta, tb],
              "tts_kv_bytes_per_session": kv_bytes, "copy_tbps": copy_tbps}]  # fmt: skip
     rows += [{"kind": "validation", **v} for v in sim.validate(fit)]
@@ -297,6 +240,7 @@ def sim_part() -> list[dict]:
 
 
 def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
+    label = fits.fit_label(sim_rows)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -311,7 +255,7 @@ def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
         rs = [r for r in caps if r["variant"] == v]
         ax[0].plot([r["speaking"] for r in rs], [r["capacity"] for r in rs], "o-", label=v)
     ax[0].set(xlabel="share of sessions whose agent speaks", ylabel="capacity at zero misses",
-              title=f"H200, simulated ({fit_label(sim_rows)}; speech ms: {speech})")  # fmt: skip
+              title=f"H200, simulated ({label}; speech ms: {speech})")  # fmt: skip
     ax[0].legend(fontsize=8)
     sp = [r for r in engine_rows if r["kind"] == "speech"]
     if sp:
@@ -341,7 +285,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                   f"{r['codec_compacted_ms']:>7.2f} {r['codec_small_ms']:>6.2f}")  # fmt: skip
     if sim_rows:
         m = next(r for r in sim_rows if r["kind"] == "model")
-        print(f"simulated H200, fit to {fit_label(sim_rows)}, speech cost "
+        print(f"simulated H200, fit to {fits.fit_label(sim_rows)}, speech cost "
               f"{m.get('speech_cost', 'components')}")  # fmt: skip
         for v in (r for r in sim_rows if r["kind"] == "validation"):
             print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
@@ -354,7 +298,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
 
 def main(argv):
     del argv
-    sim_out, plot_path = sim_files()
+    sim_out, plot_path = fits.sim_files(_HERE, "idle_speech")
     er.run_parts(
         FLAGS.parts,
         out=FLAGS.out,

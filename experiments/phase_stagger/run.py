@@ -31,6 +31,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
+import fits  # noqa: E402
 import sim  # noqa: E402
 
 from voicechat_jax.engine import Engine  # noqa: E402
@@ -46,25 +47,6 @@ flags.DEFINE_integer("warmup_ticks", 5, "Beats per group reported apart as warm-
 flags.DEFINE_integer("timed_ticks", 10, "Back-to-back ticks timed per slot count.")
 flags.DEFINE_integer("context_frames", 64, "Context cap in frames (1500 on the H200).")
 flags.DEFINE_string("out", str(_HERE / "results/cpu_tiny.jsonl"), "Engine rows (appended).")
-flags.DEFINE_enum(
-    "fit", "capacity", ["capacity", "beat_profile"],
-    "Rows the simulator is fitted to: 'capacity' (--capacity_rows, the current engine: "
-    "sim.fit_capacity) or 'beat_profile' (--profile_rows, the older engine 9dce6ca: sim.fit_h200).",
-)  # fmt: skip
-flags.DEFINE_string(
-    "capacity_rows", str(_REPO / "experiments/capacity/results/h200_reference.jsonl"),
-    "Current engine's H200 rows (baseline, probe, hold_full serve) for --fit=capacity.",
-)  # fmt: skip
-flags.DEFINE_string(
-    "profile_rows", str(er.H200_PROFILE),
-    "Older engine's H200 rows: tick and serve rows for --fit=beat_profile; component rows (the "
-    "context share) for both fits.",
-)  # fmt: skip
-flags.DEFINE_string(
-    "sim_out", None,
-    "Simulated rows (rewritten); default results/sim_h200_current.jsonl for --fit=capacity, "
-    "results/sim_h200.jsonl for --fit=beat_profile.",
-)  # fmt: skip
 flags.DEFINE_list("groups", ["1", "2", "4"], "Simulated group counts (equal sizes, equal offsets).")
 flags.DEFINE_integer("seeds", 5, "Simulator seeds per point.")
 flags.DEFINE_integer("sim_beats", 500, "Simulated beats per probe.")
@@ -72,18 +54,8 @@ flags.DEFINE_list(
     "sim_sessions", ["8", "16", "24", "32", "40", "48"],
     "Simulated session counts reported (besides the capacity; those a multiple of the groups).",
 )  # fmt: skip
-flags.DEFINE_string(
-    "plot", None,
-    "PNG ('' for none); default phase_stagger_current.png for --fit=capacity, phase_stagger.png "
-    "for --fit=beat_profile.",
-)  # fmt: skip
 er.define_engine_flags()
-
-# Per --fit: the default simulated rows and figure, beside this file.
-_SIM_FILES = {
-    "capacity": ("results/sim_h200_current.jsonl", "phase_stagger_current.png"),
-    "beat_profile": ("results/sim_h200.jsonl", "phase_stagger.png"),
-}
+fits.define_fit_flags("phase_stagger")
 
 
 def staggered_run(engine: Engine, groups: int, n_ticks: int, warmup: int) -> dict:
@@ -162,39 +134,9 @@ def engine_part(rows: list[dict]) -> None:
             del engine
 
 
-def fit_models(profile: list[dict]) -> sim.H200Fit:
-    """The simulator's step-cost and tail models fitted to the rows ``--fit`` names."""
-    if FLAGS.fit == "beat_profile":
-        return sim.fit_h200(profile)
-    components = [r for r in profile if r["kind"] == "component"]
-    return sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components)
-
-
-def model_row(fit: sim.H200Fit) -> dict:
-    """The fit the simulated rows come from: its rows, step cost, host overhead and stalls."""
-    return {"kind": "model", "source": fit.source, **vars(fit.cost), "context_share": fit.share,
-            "host_ms": fit.tail.host_ms, "stall_prob": fit.tail.stall_prob}  # fmt: skip
-
-
-def sim_files() -> tuple[str, str]:
-    """``(sim_out, plot)``: the flags where given, else ``--fit``'s defaults beside this file."""
-    out, png = _SIM_FILES[FLAGS.fit]
-    return (
-        FLAGS.sim_out if FLAGS.sim_out is not None else str(_HERE / out),
-        FLAGS.plot if FLAGS.plot is not None else str(_HERE / png),
-    )
-
-
-def fit_label(sim_rows: list[dict]) -> str:
-    """Which rows the simulated rows were fitted to (rows without a ``model`` source: the older
-    engine's, as before the current fit existed)."""
-    src = next((r.get("source") for r in sim_rows if r["kind"] == "model"), None)
-    return "capacity rows" if src == "capacity" else "beat_profile rows"
-
-
 def sim_part() -> list[dict]:
-    fit = fit_models(er.read_rows(FLAGS.profile_rows))
-    rows = [model_row(fit)] + [{"kind": "validation", **v} for v in sim.validate(fit)]
+    fit = fits.fit_models(er.read_rows(FLAGS.profile_rows))
+    rows = [fits.model_row(fit)] + [{"kind": "validation", **v} for v in sim.validate(fit)]
 
     def probe(n: int, groups: int) -> dict:
         size = n // groups
@@ -228,6 +170,7 @@ def sim_part() -> list[dict]:
 
 
 def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
+    label = fits.fit_label(sim_rows)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,7 +184,7 @@ def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
         ax[0].plot([r["sessions"] for r in rs], [r["p99_ms"] for r in rs], "x--", label=f"{g} p99")
     ax[0].axhline(160, color="grey", lw=0.8, ls="--")
     ax[0].set(xlabel="sessions (all groups)", ylabel="beat latency ms",
-              title=f"H200, simulated ({fit_label(sim_rows)}): offsets P / groups")  # fmt: skip
+              title=f"H200, simulated ({label}): offsets P / groups")  # fmt: skip
     ax[0].legend(fontsize=7, ncol=2)
     gr = [r for r in engine_rows if r["kind"] == "groups"]
     if gr:
@@ -266,7 +209,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                   f"max {r['max_ms']:.1f} missed {r['missed_ticks']}/{r['steady_ticks']} "
                   f"tick {r['tick_ms']:.1f} ms")  # fmt: skip
     if sim_rows:
-        print(f"simulated H200, fit to {fit_label(sim_rows)}")
+        print(f"simulated H200, fit to {fits.fit_label(sim_rows)}")
         for v in (r for r in sim_rows if r["kind"] == "validation"):
             print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
                   f"{v['sim_p50_ms']:.1f} ms ({100 * v['p50_error']:+.1f} %)")  # fmt: skip
@@ -282,7 +225,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
 
 def main(argv):
     del argv
-    sim_out, plot_path = sim_files()
+    sim_out, plot_path = fits.sim_files(_HERE, "phase_stagger")
     er.run_parts(
         FLAGS.parts,
         out=FLAGS.out,

@@ -30,6 +30,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
+import fits  # noqa: E402
 import sim  # noqa: E402
 
 from voicechat_jax.buckets import BucketEngine  # noqa: E402
@@ -49,25 +50,6 @@ flags.DEFINE_float("mean_live", 0.5, "Churn load: mean live sessions as a share 
 flags.DEFINE_integer("mean_call_beats", 20, "Churn: mean call length in beats (exponential).")
 flags.DEFINE_integer("shrink_after", 10, "SlotBuckets' hysteresis in beats (engine runs).")
 flags.DEFINE_string("out", str(_HERE / "results/cpu_tiny.jsonl"), "Engine rows (appended).")
-flags.DEFINE_enum(
-    "fit", "capacity", ["capacity", "beat_profile"],
-    "Rows the simulator is fitted to: 'capacity' (--capacity_rows, the current engine: "
-    "sim.fit_capacity) or 'beat_profile' (--profile_rows, the older engine 9dce6ca: sim.fit_h200).",
-)  # fmt: skip
-flags.DEFINE_string(
-    "capacity_rows", str(_REPO / "experiments/capacity/results/h200_reference.jsonl"),
-    "Current engine's H200 rows (baseline, probe, hold_full serve) for --fit=capacity.",
-)  # fmt: skip
-flags.DEFINE_string(
-    "profile_rows", str(er.H200_PROFILE),
-    "Older engine's H200 rows: tick and serve rows for --fit=beat_profile; component rows (the "
-    "context share, a slot's bytes) and copy rows (the move cost) for both fits.",
-)  # fmt: skip
-flags.DEFINE_string(
-    "sim_out", None,
-    "Simulated rows (rewritten); default results/sim_h200_current.jsonl for --fit=capacity, "
-    "results/sim_h200.jsonl for --fit=beat_profile.",
-)  # fmt: skip
 flags.DEFINE_list(
     "sim_buckets", ["8", "16", "32", "capacity"],
     "Simulated buckets (H200); the largest is the server's slots. 'capacity': the fit's simulated "
@@ -78,18 +60,8 @@ flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.
 flags.DEFINE_list("erlangs", ["10", "20", "30", "40", "50"], "Simulated offered loads.")
 flags.DEFINE_list("hysteresis", ["0", "25", "125"], "Simulated shrink_after values (beats).")
 flags.DEFINE_integer("hour_beats", 22500, "Simulated beats (22,500 = one hour).")
-flags.DEFINE_string(
-    "plot", None,
-    "PNG ('' for none); default slot_buckets_current.png for --fit=capacity, slot_buckets.png for "
-    "--fit=beat_profile.",
-)  # fmt: skip
 er.define_engine_flags()
-
-# Per --fit: the default simulated rows and figure, beside this file.
-_SIM_FILES = {
-    "capacity": ("results/sim_h200_current.jsonl", "slot_buckets_current.png"),
-    "beat_profile": ("results/sim_h200.jsonl", "slot_buckets.png"),
-}
+fits.define_fit_flags("slot_buckets")
 
 
 def churn_plans(slots: int, n_ticks: int, spb: int) -> list[SessionPlan]:
@@ -179,30 +151,6 @@ def bucket_sequence(live: np.ndarray, buckets: list[int], shrink_after: int) -> 
     return out
 
 
-def fit_models(profile: list[dict]) -> sim.H200Fit:
-    """The simulator's step-cost and tail models fitted to the rows ``--fit`` names."""
-    if FLAGS.fit == "beat_profile":
-        return sim.fit_h200(profile)
-    components = [r for r in profile if r["kind"] == "component"]
-    return sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components)
-
-
-def sim_files() -> tuple[str, str]:
-    """``(sim_out, plot)``: the flags where given, else ``--fit``'s defaults beside this file."""
-    out, png = _SIM_FILES[FLAGS.fit]
-    return (
-        FLAGS.sim_out if FLAGS.sim_out is not None else str(_HERE / out),
-        FLAGS.plot if FLAGS.plot is not None else str(_HERE / png),
-    )
-
-
-def fit_label(sim_rows: list[dict]) -> str:
-    """Which rows the simulated rows were fitted to (rows without a ``model`` source: the older
-    engine's, as before the current fit existed)."""
-    src = next((r.get("source") for r in sim_rows if r["kind"] == "model"), None)
-    return "capacity rows" if src == "capacity" else "beat_profile rows"
-
-
 def lockstep_capacity(fit: sim.H200Fit) -> int:
     """The largest n that lockstep (slots = n, host stalls off) serves with no miss in any of
     ``--seeds`` runs of ``--capacity_beats`` beats (as ``experiments/batching_policy``)."""
@@ -236,7 +184,7 @@ def one_grow(fit: sim.H200Fit, buckets: list[int], resize_ms, beats: int = 40) -
 
 def sim_part() -> list[dict]:
     prof = er.read_rows(FLAGS.profile_rows)
-    fit = fit_models(prof)
+    fit = fits.fit_models(prof)
     rows = [{"kind": "model", "source": fit.source, **vars(fit.cost),
              "context_share": fit.share, "host_ms": fit.tail.host_ms,
              "stall_prob": fit.tail.stall_prob}]  # fmt: skip
@@ -311,14 +259,14 @@ def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
         ax[0].plot([r["mean_live"] for r in rs], [r["busy_gpu_s_per_conv_h"] for r in rs], ".-",
                    label=v)  # fmt: skip
     ax[0].set(xlabel="mean live calls", ylabel="busy GPU-s per conversation-hour",
-              title=f"H200, simulated ({fit_label(sim_rows)}): an hour of calls")  # fmt: skip
+              title=f"H200, simulated ({fits.fit_label(sim_rows)}): an hour of calls")  # fmt: skip
     ax[0].legend(fontsize=8)
     for v in dict.fromkeys(r["variant"] for r in hr):
         rs = [r for r in hr if r["variant"] == v]
         ax[1].plot([r["mean_live"] for r in rs], [r["p99_ms"] for r in rs], ".-", label=v)
     ax[1].axhline(160, color="grey", lw=0.8, ls="--")
     ax[1].set(xlabel="mean live calls", ylabel="p99 beat ms",
-              title=f"H200, simulated ({fit_label(sim_rows)})")  # fmt: skip
+              title=f"H200, simulated ({fits.fit_label(sim_rows)})")  # fmt: skip
     ax[1].legend(fontsize=8)
     ticks = [r for r in engine_rows if r["kind"] == "tick"]
     for eng, mark in (("fixed", "o-"), ("buckets", "s--")):
@@ -351,7 +299,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                       f"moves {r.get('moves', 0)} resizes {r.get('resizes', 0)}")  # fmt: skip
     if sim_rows:
         m = next(r for r in sim_rows if r["kind"] == "model")
-        print(f"simulated H200, fit to {fit_label(sim_rows)}: t(B) = {m['a_ms']:.2f} + "
+        print(f"simulated H200, fit to {fits.fit_label(sim_rows)}: t(B) = {m['a_ms']:.2f} + "
               f"{m['b_ms']:.3f}*B + {m['c_ms']:.3f}*B*x ms per frame-step")  # fmt: skip
         for v in (r for r in sim_rows if r["kind"] == "validation"):
             print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
@@ -378,7 +326,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
 
 def main(argv):
     del argv
-    sim_out, plot_path = sim_files()
+    sim_out, plot_path = fits.sim_files(_HERE, "slot_buckets")
     er.run_parts(
         FLAGS.parts,
         out=FLAGS.out,

@@ -1,0 +1,91 @@
+"""Which H200 rows an experiment's simulated part is fitted to: its flags, the fit, its labels.
+
+Shared by the scheduling experiments of issue 15 (``batching_policy``, ``slot_buckets``,
+``frames_per_tick``, ``phase_stagger``, ``admission_overload``, ``idle_speech``). ``--fit=capacity``
+(the default) fits ``sim.fit_capacity`` to the current engine's ``experiments/capacity`` rows;
+``--fit=beat_profile`` fits ``sim.fit_h200`` to the older engine's (``9dce6ca``) beat-profile rows,
+which reproduces the experiments' history. Component rows (the context share) come from the
+beat-profile file in both.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import engine_runs as er
+import sim
+from absl import flags
+
+FLAGS = flags.FLAGS
+CAPACITY_ROWS = er.H200_PROFILE.parents[2] / "capacity/results/h200_reference.jsonl"
+
+
+def define_fit_flags(figure: str) -> None:
+    """``--fit``, ``--capacity_rows``, ``--profile_rows``, ``--sim_out`` and ``--plot``.
+
+    ``figure``: the experiment's figure name, ``FIGURE_current.png`` (current fit) or
+    ``FIGURE.png`` (the older one) beside its ``run.py`` by default.
+    """
+    flags.DEFINE_enum(
+        "fit", "capacity", ["capacity", "beat_profile"],
+        "Rows the simulator is fitted to: 'capacity' (--capacity_rows, the current engine: "
+        "sim.fit_capacity) or 'beat_profile' (--profile_rows, the older engine 9dce6ca: "
+        "sim.fit_h200).",
+    )  # fmt: skip
+    flags.DEFINE_string(
+        "capacity_rows", str(CAPACITY_ROWS),
+        "Current engine's H200 rows (baseline, probe, hold_full serve) for --fit=capacity.",
+    )  # fmt: skip
+    flags.DEFINE_string(
+        "profile_rows", str(er.H200_PROFILE),
+        "Older engine's H200 rows: tick and serve rows for --fit=beat_profile; component rows "
+        "(the context share) for both fits.",
+    )  # fmt: skip
+    flags.DEFINE_string(
+        "sim_out", None,
+        "Simulated rows (rewritten); default results/sim_h200_current.jsonl for --fit=capacity, "
+        "results/sim_h200.jsonl for --fit=beat_profile.",
+    )  # fmt: skip
+    flags.DEFINE_string(
+        "plot", None,
+        f"PNG ('' for none); default {figure}_current.png for --fit=capacity, {figure}.png for "
+        "--fit=beat_profile.",
+    )  # fmt: skip
+
+
+def fit_models(profile: list[dict] | None = None) -> sim.H200Fit:
+    """The simulator's step-cost and tail models fitted to the rows ``--fit`` names.
+
+    ``profile``: the ``--profile_rows`` rows, if already read.
+    """
+    if profile is None:
+        profile = er.read_rows(FLAGS.profile_rows)
+    if FLAGS.fit == "beat_profile":
+        return sim.fit_h200(profile)
+    components = [r for r in profile if r["kind"] == "component"]
+    return sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components)
+
+
+def model_row(fit: sim.H200Fit) -> dict:
+    """The fit the simulated rows come from: its rows, step cost, host overhead and stalls."""
+    return {"kind": "model", "source": fit.source, **vars(fit.cost), "context_share": fit.share,
+            "host_ms": fit.tail.host_ms, "stall_prob": fit.tail.stall_prob}  # fmt: skip
+
+
+def sim_files(here: pathlib.Path, figure: str) -> tuple[str, str]:
+    """``(sim_out, plot)``: the flags where given, else ``--fit``'s defaults in ``here``."""
+    out, png = {
+        "capacity": ("results/sim_h200_current.jsonl", f"{figure}_current.png"),
+        "beat_profile": ("results/sim_h200.jsonl", f"{figure}.png"),
+    }[FLAGS.fit]
+    return (
+        FLAGS.sim_out if FLAGS.sim_out is not None else str(here / out),
+        FLAGS.plot if FLAGS.plot is not None else str(here / png),
+    )
+
+
+def fit_label(sim_rows: list[dict]) -> str:
+    """Which rows the simulated rows were fitted to (rows without a ``model`` source: the older
+    engine's, as before the current fit existed)."""
+    src = next((r.get("source") for r in sim_rows if r["kind"] == "model"), None)
+    return "capacity rows" if src == "capacity" else "beat_profile rows"
