@@ -21,6 +21,7 @@ import jax
 from absl import app, flags
 
 from voicechat_jax import config as config_lib
+from voicechat_jax import engine as engine_lib
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.model import voicechat
@@ -65,15 +66,12 @@ def main(argv):
         tts_attention=FLAGS.tts_attention,
         precision=precision,
     )
-    params = jax.eval_shape(lambda: voicechat.init(jax.random.key(0), cfg, precision))
-    template = jax.eval_shape(
-        lambda p: voicechat.initial_state(
-            p, cfg=cfg, precision=precision, max_len=FLAGS.context_frames
-        ),
-        params,
-    )
+    params = voicechat.abstract(cfg, precision)
+    # The server's template (its matmul scope, cap and prompt), traced as the engine builds it.
+    template = jax.eval_shape(engine_lib.template_fn(cfg, serve), params)
     state = jax.eval_shape(lambda t: state_lib.from_template(t, serve.slots), template)
-    beat = state_lib.empty_beat(serve.slots, serve.frames_per_tick * 1280)
+    samples = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
+    beat = state_lib.empty_beat(serve.slots, samples, serve.capsule_tokens)
     with traced_as_gpu():
         traced = step_lib.make_tick(cfg, serve).trace(params, state, template, beat)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

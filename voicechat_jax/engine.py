@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -421,6 +422,12 @@ def build_template(params, cfg: ModelConfig, serve: ServeConfig):
     Any algorithm XLA picks computes the same fp32 products; the tick keeps full autotuning.
     """
 
+    return jax.jit(template_fn(cfg, serve), compiler_options=_ONE_USE_COMPILE)(params)
+
+
+def template_fn(cfg: ModelConfig, serve: ServeConfig) -> Callable:
+    """params -> the fresh-session state for ``serve``, traced in its policy's matmul scope (what
+    ``build_template`` compiles; traceable, e.g. by ``jax.eval_shape``)."""
     precision = serve.precision
 
     def initial(p):
@@ -434,4 +441,4 @@ def build_template(params, cfg: ModelConfig, serve: ServeConfig):
                 deterministic=serve.deterministic,
             )
 
-    return jax.jit(initial, compiler_options=_ONE_USE_COMPILE)(params)
+    return initial
