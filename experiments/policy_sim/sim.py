@@ -526,28 +526,48 @@ def fit_h200(rows: list[dict]) -> H200Fit:
         [r["slots"] for r in ticks], [r["ms_per_frame_step"] for r in ticks], context_share=share
     )
     ok = [r for r in serves if r["p50_ms"] < BEAT_MS]
-    u, v = fit_jitter([r["sessions"] for r in ok], [r["p99_ms"] - r["p50_ms"] for r in ok])
-    sigma_max = max(r["sessions"] for r in ok)
-    jitter = Tail(log_sigma0=u, log_sigma1=v, sigma_batch_max=sigma_max)
+    jit = [(r["sessions"], r["p99_ms"] - r["p50_ms"]) for r in ok]
     tick_of = {r["slots"]: float(np.median(r["ms"])) for r in ticks}
-    host_each = {r["sessions"]: r["p50_ms"] - tick_of[r["sessions"]] for r in ok}
-    host = float(np.mean(list(host_each.values())))
-    quiet_rows = [r for r in ok if r["p50_ms"] + 3 * jitter.sigma_ms(r["sessions"]) < BEAT_MS]
-    stall = sum(r["missed_ticks"] for r in quiet_rows) / sum(r["steady_ticks"] for r in quiet_rows)
+    tail, quiet, host_each = _fit_tail(ok, jit, tick_of)
     return H200Fit(
         cost=cost,
-        tail=Tail(u, v, stall, host, sigma_max),
-        quiet=Tail(u, v, 0.0, host, sigma_max),
+        tail=tail,
+        quiet=quiet,
         share=share,
         host_each=host_each,
         ticks=ticks,
         serves=serves,
         components=comps,
         step_points=tuple((r["slots"], r["ms_per_frame_step"]) for r in ticks),
-        jitter_points=tuple((r["sessions"], r["p99_ms"] - r["p50_ms"]) for r in ok),
+        jitter_points=tuple(jit),
         source="beat_profile",
         tick_of=tick_of,
     )
+
+
+def _fit_tail(
+    ok: list[dict],
+    jitter_points: list[tuple[float, float]],
+    tick_of: dict[int, float],
+    steps: int = 3000,
+) -> tuple[Tail, Tail, dict[int, float]]:
+    """The tail models of a fit, and each serving row's host overhead.
+
+    ``ok``: the serving rows the server kept up with; ``jitter_points``: (B, p99 - p50 ms) the
+    jitter is fitted to, held past the largest ``ok`` row; ``tick_of``: the tick ms measured per
+    session count. Host overhead: each ``ok`` row's p50 less its tick (their mean in the tails).
+    Host stalls: the missed ticks of the ``ok`` rows whose jitter reaches no deadline, per steady
+    tick (0 when there is no such row). Returns (tail, the same without stalls, host per row).
+    """
+    u, v = fit_jitter([b for b, _ in jitter_points], [d for _, d in jitter_points], steps=steps)
+    sigma_max = max(r["sessions"] for r in ok)
+    jitter = Tail(log_sigma0=u, log_sigma1=v, sigma_batch_max=sigma_max)
+    host_each = {r["sessions"]: r["p50_ms"] - tick_of[r["sessions"]] for r in ok}
+    host = float(np.mean(list(host_each.values())))
+    quiet_rows = [r for r in ok if r["p50_ms"] + 3 * jitter.sigma_ms(r["sessions"]) < BEAT_MS]
+    quiet_ticks = sum(r["steady_ticks"] for r in quiet_rows)
+    stall = sum(r["missed_ticks"] for r in quiet_rows) / quiet_ticks if quiet_ticks else 0.0
+    return Tail(u, v, stall, host, sigma_max), Tail(u, v, 0.0, host, sigma_max), host_each
 
 
 # ---- the fit to the capacity rows (the current engine), in one call ---------------------------
@@ -639,22 +659,15 @@ def fit_capacity(
     ok = [r for r in sel.serves if r["p50_ms"] < BEAT_MS]
     jit = [(r["sessions"], r["p99_ms"] - r["p50_ms"]) for r in ok]
     jit += [(1, r["ms_p99"] - r["ms_p50"]) for r in sel.baselines]
-    u, v = fit_jitter([b for b, _ in jit], [d for _, d in jit], steps=steps)
-    sigma_max = max(r["sessions"] for r in ok)
-    jitter = Tail(log_sigma0=u, log_sigma1=v, sigma_batch_max=sigma_max)
     by_n: dict[int, list[float]] = collections.defaultdict(list)
     for r in sel.probes:
         by_n[r["sessions"]].append(r["tick_ms_p50"])
     tick_of = {n: float(np.median(t)) for n, t in by_n.items()}
-    host_each = {r["sessions"]: r["p50_ms"] - tick_of[r["sessions"]] for r in ok}
-    host = float(np.mean(list(host_each.values())))
-    quiet_rows = [r for r in ok if r["p50_ms"] + 3 * jitter.sigma_ms(r["sessions"]) < BEAT_MS]
-    quiet_ticks = sum(r["steady_ticks"] for r in quiet_rows)
-    stall = sum(r["missed_ticks"] for r in quiet_rows) / quiet_ticks if quiet_ticks else 0.0
+    tail, quiet, host_each = _fit_tail(ok, jit, tick_of, steps)
     return H200Fit(
         cost=cost,
-        tail=Tail(u, v, stall, host, sigma_max),
-        quiet=Tail(u, v, 0.0, host, sigma_max),
+        tail=tail,
+        quiet=quiet,
         share=share,
         host_each=host_each,
         ticks=step_rows,
