@@ -183,9 +183,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                   f"missed {r['missed_ticks']}/{r['steady_ticks']}")  # fmt: skip
     if sim_rows:
         print(f"simulated H200, fit to {fits.fit_label(sim_rows)}")
-        for v in (r for r in sim_rows if r["kind"] == "validation"):
-            print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
-                  f"{v['sim_p50_ms']:.1f} ms ({100 * v['p50_error']:+.1f} %)")  # fmt: skip
+        fits.print_validation(sim_rows)
         print(f"{'pattern':>18} {'max':>4} {'queue':>5} {'refused':>8} {'wait p99':>8} "
               f"{'late':>8} {'goodput':>7}")  # fmt: skip
         for r in (r for r in sim_rows if r["kind"] == "policy"):

@@ -198,9 +198,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                       f"input-to-output p50 {r['input_to_output_p50_ms']:.0f} ms")  # fmt: skip
     if sim_rows:
         print(f"simulated H200, fit to {fits.fit_label(sim_rows)} (not validated at f != 2)")
-        for v in (r for r in sim_rows if r["kind"] == "validation"):
-            print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
-                  f"{v['sim_p50_ms']:.1f} ms ({100 * v['p50_error']:+.1f} %)")  # fmt: skip
+        fits.print_validation(sim_rows)
         print(f"{'f':>2} {'per-beat':>9} {'beat':>5} {'cap':>4} {'tick@16':>8} {'p99@cap':>8} "
               f"{'in->out p50@16':>14}")  # fmt: skip
         for r in (r for r in sim_rows if r["kind"] == "capacity"):

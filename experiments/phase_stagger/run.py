@@ -210,9 +210,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                   f"tick {r['tick_ms']:.1f} ms")  # fmt: skip
     if sim_rows:
         print(f"simulated H200, fit to {fits.fit_label(sim_rows)}")
-        for v in (r for r in sim_rows if r["kind"] == "validation"):
-            print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
-                  f"{v['sim_p50_ms']:.1f} ms ({100 * v['p50_error']:+.1f} %)")  # fmt: skip
+        fits.print_validation(sim_rows)
         for r in (r for r in sim_rows if r["kind"] == "sim"):
             print(f"  {r['groups']} group(s), {r['sessions']:>3} sessions: p50 {r['p50_ms']:.1f} "
                   f"p99 {r['p99_ms']:.1f} ms, missed {r['missed']:.1f}, "

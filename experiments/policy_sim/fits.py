@@ -89,3 +89,10 @@ def fit_label(sim_rows: list[dict]) -> str:
     engine's, as before the current fit existed)."""
     src = next((r.get("source") for r in sim_rows if r["kind"] == "model"), None)
     return "capacity rows" if src == "capacity" else "beat_profile rows"
+
+
+def print_validation(sim_rows: list[dict]) -> None:
+    """One line per ``validation`` row: the real and simulated p50 and the error."""
+    for v in (r for r in sim_rows if r["kind"] == "validation"):
+        print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
+              f"{v['sim_p50_ms']:.1f} ms ({100 * v['p50_error']:+.1f} %)")  # fmt: skip

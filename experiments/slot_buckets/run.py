@@ -301,9 +301,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
         m = next(r for r in sim_rows if r["kind"] == "model")
         print(f"simulated H200, fit to {fits.fit_label(sim_rows)}: t(B) = {m['a_ms']:.2f} + "
               f"{m['b_ms']:.3f}*B + {m['c_ms']:.3f}*B*x ms per frame-step")  # fmt: skip
-        for v in (r for r in sim_rows if r["kind"] == "validation"):
-            print(f"  validation {v['sessions']:>4} sessions: real p50 {v['real_p50_ms']:.1f} sim "
-                  f"{v['sim_p50_ms']:.1f} ms ({100 * v['p50_error']:+.1f} %)")  # fmt: skip
+        fits.print_validation(sim_rows)
         for r in (r for r in sim_rows if r["kind"] == "capacity"):
             print(f"  simulated lockstep capacity (the largest bucket): {r['capacity']}")
         mm = next(r for r in sim_rows if r["kind"] == "move_model")
