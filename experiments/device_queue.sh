@@ -23,7 +23,7 @@ case "${1:-}" in
       exit 0
     fi
     export JAX_COMPILATION_CACHE_DIR=$PWD/.jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=2
-    export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 QUEUE_ROWS=$dir/rows
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QUEUE_ROWS=$dir/rows
     setsid bash -c '
       n=0
       while true; do

@@ -6,7 +6,9 @@
 #
 # A device call that needs them carries the folder (carry=[".whl"]) and starts with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#     --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
+#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# before experiments/device_queue.sh start (the queue puts the repository in front of it; a command
+# run directly needs PYTHONPATH=$PWD:/tmp/site).
 # (experiments/network_load and the live server need them: soxr resamples, websockets is the
 # load client's). Versions: the ones pyproject.toml accepts, as installed here.
 set -euo pipefail

@@ -236,7 +236,7 @@ def test_nano_step_pallas_equals_xla(llm):
 
 def test_switch_is_validated(llm):
     cfg, prec, params = llm
-    with pytest.raises(ValueError, match="ssm_kernel must be xla\\|pallas"):
+    with pytest.raises(ValueError, match="ssm_kernel must be auto\\|xla\\|pallas"):
         ServeConfig(ssm_kernel="triton")
     st = nano.init_state(cfg.llm, 1, 4, prec)
     with pytest.raises(ValueError, match="ssm_kernel must be one of"):

@@ -29,9 +29,11 @@ def test_policies_by_name():
         "bf16_tts_kv",
         "tf32_bf16_tts_kv",
         "tf32_codec",
+        "tf32x3_codec",
         "bf16_tts_kv_tf32_codec",
     }
     assert policy("tf32_codec") == Precision(codec_matmul="tensorfloat32")
+    assert policy("tf32x3_codec") == Precision(codec_matmul="tf32_x3")
     assert policy("bf16_tts_kv_tf32_codec") == Precision(
         tts_kv=jnp.bfloat16, codec_matmul="tensorfloat32"
     )

@@ -13,6 +13,8 @@ import dataclasses
 import enum
 import math
 
+import jax
+
 from voicechat_jax import precision as precision_lib
 from voicechat_jax.precision import Precision
 
@@ -364,6 +366,7 @@ class SpeechSampling(enum.StrEnum):
 class AttentionImpl(enum.StrEnum):
     """Which implementation every decode-step attention runs (``model.attention.attend``)."""
 
+    AUTO = "auto"  # the choice measured best for the platform and slot count (``resolved``)
     XLA = "xla"  # jnp, the reference
     CUDNN = "cudnn"  # jax.nn.dot_product_attention on cuDNN (bf16/fp16 caches only)
     PALLAS = "pallas"  # pallas_kernels.decode_attention (split-K, skips unread rows)
@@ -375,6 +378,7 @@ class AttentionImpl(enum.StrEnum):
 class SSMKernel(enum.StrEnum):
     """The LLM's Mamba-2 decode update."""
 
+    AUTO = "auto"  # the choice measured best for the platform and slot count (``resolved``)
     XLA = "xla"  # jnp
     PALLAS = "pallas"  # the in-place Pallas kernel (the SSM update alone)
     FUSED = "fused"  # one Pallas kernel per layer: conv, SSM update and gated norm, in place
@@ -385,6 +389,20 @@ class ProjectionImpl(enum.StrEnum):
 
     XLA = "xla"  # XLA's dot (``common.dense``)
     PALLAS = "pallas"  # pallas_kernels.matmul (weight-streaming Triton kernel)
+
+
+# What an 'auto' kernel choice becomes on a GPU, and from how many slots (one device's): where the
+# kernel beat XLA on an H200 at every slot count measured from there up. Below it, and on any
+# other platform, XLA. The SSM update: 1.50x XLA at 8 slots, 0.63x at 1 (27 launches against one
+# fused program; experiments/ssm_step_kernel). The LLM's attention: 2.5-2.8x at 16, 56 and 112
+# (experiments/decode_attention). The speech decoder's G = 1 kernel: 1.19-1.20x on the fp32
+# cache and 1.8-1.9x on bf16 at 56 and 112, not measured below 56; in the tick at 72 and 80
+# (experiments/capacity).
+AUTO_KERNELS = {
+    "ssm_kernel": ("pallas", 8),
+    "attention": ("pallas", 16),
+    "tts_attention": ("pallas_mha", 56),
+}
 
 
 def _choice(cls: type[enum.StrEnum], value, field: str):
@@ -410,9 +428,11 @@ class ServeConfig:
     at_cap: AtCap = AtCap.END  # strings of the enum are accepted (and converted)
     speech_sampling: SpeechSampling = SpeechSampling.FAITHFUL
     system_prompt: tuple[int, ...] = ()  # token ids prefilled as [BOS] + ids + [EOS], if any
-    attention: AttentionImpl = AttentionImpl.XLA  # LLM decode attention ('cudnn': bf16 KV only)
+    # Kernel choices; 'auto' is made per platform and slot count when an ``Engine`` (or the tick)
+    # is built: ``resolved``.
+    attention: AttentionImpl = AttentionImpl.AUTO  # LLM decode attention ('cudnn': bf16 KV only)
     tts_attention: AttentionImpl | None = None  # speech decoder's; None: as ``attention``
-    ssm_kernel: SSMKernel = SSMKernel.XLA  # LLM Mamba step update
+    ssm_kernel: SSMKernel = SSMKernel.AUTO  # LLM Mamba step update
     projection: ProjectionImpl = ProjectionImpl.XLA  # LLM MLP and Mamba projections
     deadline_ms: float | None = None  # default: the beat period
     capsule_tokens: int = 96  # U: room for a roll-over's conversation capsule (token ids)
@@ -443,6 +463,39 @@ class ServeConfig:
             value = getattr(self, field)
             if value is not None or field != "tts_attention":
                 object.__setattr__(self, field, _choice(cls, value, field))
+
+    def resolved(self, platform: str | None = None, slots: int | None = None) -> ServeConfig:
+        """This configuration with every 'auto' kernel choice made (``AUTO_KERNELS``).
+
+        ``tts_attention=None`` follows an 'auto' ``attention`` as 'auto' in its own right (the
+        speech decoder has its own kernel and threshold); an explicit choice is kept as it is.
+
+        Args:
+          platform: the backend the tick runs on (default: JAX's default backend).
+          slots: the slots one device runs (default: ``self.slots``).
+        """
+        tts = self.tts_attention
+        if tts is None and self.attention == AttentionImpl.AUTO:
+            tts = AttentionImpl.AUTO
+        chosen = {"attention": self.attention, "tts_attention": tts, "ssm_kernel": self.ssm_kernel}
+        if "auto" not in chosen.values():
+            return self
+        on_gpu = (platform or jax.default_backend()) == "gpu"
+        slots = self.slots if slots is None else slots
+        for field, value in chosen.items():
+            if value == "auto":
+                kernel, from_slots = AUTO_KERNELS[field]
+                chosen[field] = kernel if on_gpu and slots >= from_slots else "xla"
+        return dataclasses.replace(self, **chosen)
+
+    def kernels(self) -> dict[str, str]:
+        """The kernel choices by name, the speech decoder's spelled out (for rows and logs)."""
+        return {
+            "ssm_kernel": str(self.ssm_kernel),
+            "attention": str(self.attention),
+            "tts_attention": str(self.tts_attention or self.attention),
+            "projection": str(self.projection),
+        }
 
     @property
     def beat_ms(self) -> float:

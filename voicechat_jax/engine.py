@@ -157,8 +157,11 @@ class Engine:
         self.staged = mesh is None if staged is None else staged
         if self.staged and mesh is not None:
             raise ValueError("a mesh runs the whole tick as one program: staged=False")
+        per_device = serve.slots if mesh is None else mesh_lib.check_slots(serve.slots, mesh)
+        platform = None if mesh is None else mesh.devices.flat[0].platform
+        serve = serve.resolved(platform, per_device)  # 'auto' kernels chosen for this device
+        logging.info("kernels: %s", serve.kernels())
         if mesh is not None:
-            mesh_lib.check_slots(serve.slots, mesh)
             params = mesh_lib.put_replicated(params, mesh)
         self.params = params
         self.cfg = cfg
@@ -174,7 +177,6 @@ class Engine:
         self.template = template
         jax.block_until_ready(self.template)
         self.template_s = time.perf_counter() - t
-        per_device = serve.slots if mesh is None else mesh_lib.check_slots(serve.slots, mesh)
         self.memory = plan_memory(
             self.template,
             per_device,

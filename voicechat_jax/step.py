@@ -259,6 +259,7 @@ def tick(
     room = has_room(model, fpt)
     ran = active & room & beat.run
     active = active & room
+    serve = serve.resolved()  # an 'auto' kernel for the backend traced for (an Engine's: made)
     model, frames = voicechat.advance(
         params,
         model,

@@ -37,13 +37,13 @@ flags.DEFINE_enum(
     "At the context cap: end the session, or keep it live (rollover, reset, memory).",
 )
 flags.DEFINE_enum(
-    "ssm_kernel", "xla", [m.value for m in config_lib.SSMKernel], "Mamba-2 decode update."
+    "ssm_kernel", "auto", [m.value for m in config_lib.SSMKernel], "Mamba-2 decode update."
 )
 flags.DEFINE_enum(
     "projection", "xla", [m.value for m in config_lib.ProjectionImpl], "LLM projections."
 )
 flags.DEFINE_enum(
-    "attention", "xla", [m.value for m in config_lib.AttentionImpl], "LLM decode attention."
+    "attention", "auto", [m.value for m in config_lib.AttentionImpl], "LLM decode attention."
 )
 flags.DEFINE_bool(
     "hold_full",
@@ -168,10 +168,7 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "loop": loop,
-        "ssm_kernel": FLAGS.ssm_kernel,
-        "attention": FLAGS.attention,
-        "tts_attention": FLAGS.tts_attention or FLAGS.attention,
-        "projection": FLAGS.projection,
+        **engine.serve.kernels(),  # as the engine chose them ('auto' made)
         "sessions": sessions,
         "context_frames": FLAGS.context_frames,
         "clock": FLAGS.clock,

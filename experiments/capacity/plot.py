@@ -27,13 +27,22 @@ TARGET_P99_MS = 140.0
 
 
 def series(rows: list[dict]) -> dict[str, list[dict]]:
-    """Served rows grouped by policy, loop and fill (the last row per session count wins)."""
+    """Served rows grouped by configuration, loop and fill (the last row per session count wins).
+
+    A configuration is the policy with its codec products and speech-decoder attention; rows from
+    before those were recorded ran full fp32 codec products and XLA's attention.
+    """
     groups: dict[str, dict[int, dict]] = collections.defaultdict(dict)
     for r in rows:
         if r.get("kind") != "serve":
             continue
-        fill = "full" if r.get("hold_full") else "filling"
-        name = f"{r.get('policy', 'reference')}, {r['loop']}, {fill} caches"
+        fill = "full" if r.get("hold_full") else "churn" if r.get("churn") else "filling"
+        config = r.get("policy", "reference")
+        if r.get("codec_matmul", "float32") != "float32":
+            config += f" + {r['codec_matmul']} codec"
+        if r.get("tts_attention", "xla") != "xla":
+            config += f" + {r['tts_attention']}"
+        name = f"{config}, {r['loop']}, {fill} caches"
         groups[name][r["sessions"]] = r
     return {k: [v[n] for n in sorted(v)] for k, v in sorted(groups.items())}
 
@@ -63,7 +72,7 @@ def main(argv):
     ax.text(ax.get_xlim()[0], TARGET_P99_MS + 1, "140 ms p99 target", color="gray", fontsize=8)
     ax.set_xlabel("sessions (one H200, 11B, 1,500-frame cap)")
     ax.set_ylabel("beat latency, ms (square p50, circle p99, triangle max)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="lower left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(FLAGS.out, dpi=120)

@@ -28,7 +28,9 @@ from voicechat_jax.precision import CODEC_MATMUL, policy
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("policies", ["reference"], "Precision policies (voicechat_jax.precision).")
-flags.DEFINE_integer("probe_ticks", 20, "Back-to-back ticks timed before serving a point.")
+flags.DEFINE_integer(
+    "probe_ticks", 20, "Back-to-back ticks timed before serving a point.", lower_bound=1
+)
 flags.DEFINE_integer("baseline_ticks", 200, "Ticks timed for the batch-1 baseline (0: skip).")
 flags.DEFINE_enum(
     "codec_matmul",
@@ -61,6 +63,7 @@ def baseline(params, cfg, precision, template, ticks: int) -> dict:
     p99 = float(np.percentile(times, 99))
     return {
         "kind": "baseline",
+        **engine.serve.kernels(),
         "ms_p50": float(np.median(times)),
         "ms_p99": p99,
         "sessions_held": int(period // p99),
@@ -78,10 +81,6 @@ def main(argv):
         tag = {  # every row of this policy says which configuration it measured
             "policy": name,
             "codec_matmul": precision.codec_matmul,
-            "ssm_kernel": FLAGS.ssm_kernel,
-            "attention": FLAGS.attention,
-            "tts_attention": FLAGS.tts_attention or FLAGS.attention,
-            "projection": FLAGS.projection,
             "hold_full": FLAGS.hold_full,
         }
         params = beat_latency.init_params(cfg, precision)
@@ -108,6 +107,7 @@ def main(argv):
             point = {
                 "kind": "probe",
                 **tag,
+                **engine.serve.kernels(),
                 "sessions": n,
                 "tick_ms_p50": beat_ms,
                 "tick_ms_max": float(times.max()),

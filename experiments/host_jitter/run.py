@@ -54,7 +54,7 @@ flags.DEFINE_list("loops", ["dispatch", "resident"], "Loops to measure.")
 flags.DEFINE_list("gc_policies", ["slack"], "GC policies: slack (the server's), default (Python).")
 flags.DEFINE_list("busy", ["0", "1"], "Rows without (0) and with (1) a process spinning one core.")
 flags.DEFINE_enum(
-    "ssm_kernel", "xla", [m.value for m in config_lib.SSMKernel], "Mamba-2 decode update."
+    "ssm_kernel", "auto", [m.value for m in config_lib.SSMKernel], "Mamba-2 decode update."
 )
 flags.DEFINE_string("label", None, "Names the code under test in the rows (default: after/before).")
 flags.DEFINE_string("out", None, "JSON-lines file the rows are appended to.")

@@ -57,8 +57,8 @@ def provenance(model: str) -> dict:
 def define_engine_flags() -> None:
     """``--precision``, ``--ssm_kernel``, ``--attention``, ``--tts_attention``, ``--projection``."""
     flags.DEFINE_string("precision", "reference", "Precision policy (precision.POLICIES).")
-    flags.DEFINE_string("ssm_kernel", "xla", "LLM Mamba step update (ServeConfig.ssm_kernel).")
-    flags.DEFINE_string("attention", "xla", "LLM decode attention (ServeConfig.attention).")
+    flags.DEFINE_string("ssm_kernel", "auto", "LLM Mamba step update (ServeConfig.ssm_kernel).")
+    flags.DEFINE_string("attention", "auto", "LLM decode attention (ServeConfig.attention).")
     flags.DEFINE_string("tts_attention", None, "Speech decoder's attention (default: as LLM's).")
     flags.DEFINE_string("projection", "xla", "LLM projections (ServeConfig.projection).")
 

@@ -42,10 +42,10 @@ flags.DEFINE_list(
 )
 flags.DEFINE_enum("precision", "reference", ["reference", "fp32"], "Dtype policy.")
 flags.DEFINE_enum(
-    "ssm_kernel", "xla", [m.value for m in config_lib.SSMKernel], "Mamba-2 decode update."
+    "ssm_kernel", "auto", [m.value for m in config_lib.SSMKernel], "Mamba-2 decode update."
 )
 flags.DEFINE_enum(
-    "attention", "xla", [m.value for m in config_lib.AttentionImpl], "Decode attention (both)."
+    "attention", "auto", [m.value for m in config_lib.AttentionImpl], "Decode attention (both)."
 )
 flags.DEFINE_string("out", None, "JSON-lines output file.")
 
@@ -104,8 +104,8 @@ def measure(engine: Engine, rolled: int, capsule_len: int) -> dict:
         "capsule_tokens": FLAGS.capsule_tokens,
         "capsule_len": capsule_len,
         "device": str(jax.devices()[0]),
-        "ssm_kernel": FLAGS.ssm_kernel,
-        "attention": FLAGS.attention,
+        "ssm_kernel": str(engine.serve.ssm_kernel),  # as the engine chose them ('auto' made)
+        "attention": str(engine.serve.attention),
         "plain_p50_ms": _ms(plain, 50),
         "plain_p99_ms": _ms(plain, 99),
         "rollover_p50_ms": _ms(roll, 50),

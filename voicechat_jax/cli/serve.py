@@ -116,9 +116,10 @@ flags.DEFINE_enum(
 flags.DEFINE_integer("warmup_ticks", 3, "Ticks reported as warm-up, apart from steady state.")
 flags.DEFINE_enum(
     "ssm_kernel",
-    "xla",
+    "auto",
     [m.value for m in config_lib.SSMKernel],
-    "Mamba-2 decode update (pallas: the SSM update in place; fused: conv, SSM and norm in one).",
+    "Mamba-2 decode update (auto: the measured best for the device and slots, config.AUTO_KERNELS; "
+    "pallas: the SSM update in place; fused: conv, SSM and norm in one).",
 )
 flags.DEFINE_enum(
     "projection",
@@ -127,7 +128,10 @@ flags.DEFINE_enum(
     "LLM MLP and Mamba projections (pallas: the weight-streaming kernel).",
 )
 flags.DEFINE_enum(
-    "attention", "xla", [m.value for m in config_lib.AttentionImpl], "LLM decode attention."
+    "attention",
+    "auto",
+    [m.value for m in config_lib.AttentionImpl],
+    "LLM decode attention (auto: the measured best for the device and slots).",
 )
 flags.DEFINE_enum(
     "tts_attention",
