@@ -7,8 +7,10 @@ here and not on the lent machine. It does not compile: XLA's GPU compile, Triton
 needs the device. Prints the size of the lowered module, its Triton calls and its products by
 precision.
 
-  PYTHONPATH=. python3 experiments/lower_for_cuda.py --model=voicechat_11b --ssm_kernel=pallas \
-    --attention=pallas --tts_attention=pallas_mha --codec_matmul=tf32_x3
+  PYTHONPATH=. python3 experiments/lower_for_cuda.py --model=voicechat_11b --precision=tf32x3_codec
+
+The kernels default to 'auto', made as a GPU server makes them for ``--slots``
+(``ServeConfig.resolved``); the line printed names them.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "tiny", "Preset: tiny | voicechat_11b.")
 flags.DEFINE_string("precision", "reference", "Precision policy (voicechat_jax.precision).")
 flags.DEFINE_enum("codec_matmul", None, list(CODEC_MATMUL), "Override of the policy's.")
-flags.DEFINE_integer("slots", 4, "Slots of the tick.")
+flags.DEFINE_integer("slots", 64, "Slots of the tick (the 'auto' kernels depend on them).")
 flags.DEFINE_integer("context_frames", 64, "Context cap (the shapes, not the cost, matter here).")
-flags.DEFINE_enum("ssm_kernel", "pallas", [m.value for m in config_lib.SSMKernel], "Mamba step.")
-flags.DEFINE_enum("attention", "pallas", [m.value for m in config_lib.AttentionImpl], "LLM's.")
+flags.DEFINE_enum("ssm_kernel", "auto", [m.value for m in config_lib.SSMKernel], "Mamba step.")
+flags.DEFINE_enum("attention", "auto", [m.value for m in config_lib.AttentionImpl], "LLM's.")
 flags.DEFINE_enum(
-    "tts_attention", "pallas_mha", [m.value for m in config_lib.AttentionImpl], "Speech decoder's."
+    "tts_attention", None, [m.value for m in config_lib.AttentionImpl], "Speech decoder's."
 )
 
 
@@ -65,7 +67,7 @@ def main(argv):
         attention=FLAGS.attention,
         tts_attention=FLAGS.tts_attention,
         precision=precision,
-    )
+    ).resolved("gpu")
     params = voicechat.abstract(cfg, precision)
     # The server's template (its matmul scope, cap and prompt), traced as the engine builds it.
     template = jax.eval_shape(engine_lib.template_fn(cfg, serve), params)
@@ -84,7 +86,8 @@ def main(argv):
     }
     print(
         f"{FLAGS.model} tick lowered for cuda: {len(text):,} characters, "
-        f"{text.count('__gpu$xla.gpu.triton')} Triton calls, {len(products)} products {kinds}"
+        f"{text.count('__gpu$xla.gpu.triton')} Triton calls, {len(products)} products {kinds}; "
+        f"{serve.slots} slots, kernels {serve.kernels()}"
     )
 
 
