@@ -428,8 +428,8 @@ class ServeConfig:
     at_cap: AtCap = AtCap.END  # strings of the enum are accepted (and converted)
     speech_sampling: SpeechSampling = SpeechSampling.FAITHFUL
     system_prompt: tuple[int, ...] = ()  # token ids prefilled as [BOS] + ids + [EOS], if any
-    # Kernel choices; 'auto' is made per platform and slot count when an ``Engine`` (or the tick)
-    # is built: ``resolved``.
+    # Kernel choices; 'auto' is made for the platform and the slots a program runs as the tick is
+    # traced (``resolved``, in ``step.tick``); ``Engine.kernels`` names the choice.
     attention: AttentionImpl = AttentionImpl.AUTO  # LLM decode attention ('cudnn': bf16 KV only)
     tts_attention: AttentionImpl | None = None  # speech decoder's; None: as ``attention``
     ssm_kernel: SSMKernel = SSMKernel.AUTO  # LLM Mamba step update

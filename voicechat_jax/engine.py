@@ -159,8 +159,10 @@ class Engine:
             raise ValueError("a mesh runs the whole tick as one program: staged=False")
         per_device = serve.slots if mesh is None else mesh_lib.check_slots(serve.slots, mesh)
         platform = None if mesh is None else mesh.devices.flat[0].platform
-        serve = serve.resolved(platform, per_device)  # 'auto' kernels chosen for this device
-        logging.info("kernels: %s", serve.kernels())
+        # The kernels the tick runs at this engine's slots ('auto' made; ``step.tick`` makes it
+        # as it traces, so a smaller bucket of a ``BucketEngine`` may choose otherwise).
+        self.kernels = serve.resolved(platform, per_device).kernels()
+        logging.info("kernels: %s", self.kernels)
         if mesh is not None:
             params = mesh_lib.put_replicated(params, mesh)
         self.params = params

@@ -259,7 +259,9 @@ def tick(
     room = has_room(model, fpt)
     ran = active & room & beat.run
     active = active & room
-    serve = serve.resolved()  # an 'auto' kernel for the backend traced for (an Engine's: made)
+    # 'auto' kernels for the backend traced for and the slots this program runs (a bucket's, or
+    # one device's under a mesh).
+    serve = serve.resolved(slots=active.shape[0])
     model, frames = voicechat.advance(
         params,
         model,

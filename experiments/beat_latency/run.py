@@ -82,8 +82,9 @@ def device_memory() -> dict:
     }
 
 
-def make_engine(params, cfg, precision, sessions: int, template=None, **serve_kw) -> Engine:
-    serve = config_lib.ServeConfig(
+def serve_config(precision, sessions: int, **serve_kw) -> config_lib.ServeConfig:
+    """The flags' server configuration for ``sessions`` slots."""
+    return config_lib.ServeConfig(
         slots=sessions,
         frames_per_tick=2,
         context_frames=FLAGS.context_frames,
@@ -96,7 +97,10 @@ def make_engine(params, cfg, precision, sessions: int, template=None, **serve_kw
         hold_full=FLAGS.hold_full,
         **serve_kw,
     )
-    return Engine(params, cfg, serve, template=template)
+
+
+def make_engine(params, cfg, precision, sessions: int, template=None, **serve_kw) -> Engine:
+    return Engine(params, cfg, serve_config(precision, sessions, **serve_kw), template=template)
 
 
 def churn_plans(
@@ -168,7 +172,7 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "loop": loop,
-        **engine.serve.kernels(),  # as the engine chose them ('auto' made)
+        **engine.kernels,  # as the engine chose them ('auto' made)
         "sessions": sessions,
         "context_frames": FLAGS.context_frames,
         "clock": FLAGS.clock,

@@ -23,7 +23,6 @@ from absl import app, flags
 
 from experiments.beat_latency import run as beat_latency
 from voicechat_jax import config as config_lib
-from voicechat_jax.engine import Engine
 from voicechat_jax.precision import CODEC_MATMUL, policy
 
 FLAGS = flags.FLAGS
@@ -45,25 +44,14 @@ SESSION_GB = 1.1  # per session per frame-step at the 1,500-frame cap (serving-s
 
 def baseline(params, cfg, precision, template, ticks: int) -> dict:
     """A request server's way: one session per call. The 1-slot tick's time decides the count."""
-    serve = config_lib.ServeConfig(
-        slots=1,
-        frames_per_tick=2,
-        context_frames=FLAGS.context_frames,
-        ssm_kernel=FLAGS.ssm_kernel,
-        attention=FLAGS.attention,
-        tts_attention=FLAGS.tts_attention,
-        projection=FLAGS.projection,
-        hold_full=FLAGS.hold_full,
-        precision=precision,
-    )
-    engine = Engine(params, cfg, serve, template=template)
+    engine = beat_latency.make_engine(params, cfg, precision, 1, template)
     engine.compile_tick()
     times = beat_latency.tick_times(engine, ticks)
-    period = serve.beat_ms
+    period = engine.serve.beat_ms
     p99 = float(np.percentile(times, 99))
     return {
         "kind": "baseline",
-        **engine.serve.kernels(),
+        **engine.kernels,
         "ms_p50": float(np.median(times)),
         "ms_p99": p99,
         "sessions_held": int(period // p99),
@@ -95,8 +83,9 @@ def main(argv):
             try:
                 engine = beat_latency.make_engine(params, cfg, precision, n, template)
             except Exception as e:  # a count that does not fit is a result
+                kernels = beat_latency.serve_config(precision, n).resolved().kernels()
                 beat_latency.write_row(
-                    {"kind": "error", **tag, "sessions": n, "error": str(e)[:300]}
+                    {"kind": "error", **tag, **kernels, "sessions": n, "error": str(e)[:300]}
                 )
                 continue
             template = engine.template
@@ -107,7 +96,7 @@ def main(argv):
             point = {
                 "kind": "probe",
                 **tag,
-                **engine.serve.kernels(),
+                **engine.kernels,
                 "sessions": n,
                 "tick_ms_p50": beat_ms,
                 "tick_ms_max": float(times.max()),
