@@ -31,7 +31,11 @@ def test_policies_by_name():
         "tf32_codec",
         "tf32x3_codec",
         "bf16_tts_kv_tf32_codec",
+        "bf16_tts_kv_tf32x3_codec",
     }
+    assert policy("bf16_tts_kv_tf32x3_codec") == Precision(
+        tts_kv=jnp.bfloat16, codec_matmul="tf32_x3"
+    )
     assert policy("tf32_codec") == Precision(codec_matmul="tensorfloat32")
     assert policy("tf32x3_codec") == Precision(codec_matmul="tf32_x3")
     assert policy("bf16_tts_kv_tf32_codec") == Precision(
