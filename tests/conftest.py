@@ -77,7 +77,7 @@ def test_audio() -> np.ndarray:
 
 # The files that take longest run first. The suite runs on two pytest-xdist workers, a file at a
 # time (pyproject.toml: ``-n 2 --dist loadfile``); a long file started last would keep one worker
-# busy after the other has finished. Seconds measured here, one worker, in brackets.
+# busy after the other has finished. After each name: its slowest tests' seconds here, one worker.
 SLOW_FIRST = (
     "test_mesh.py",  # 138: two 4-device subprocesses
     "test_serve_cli.py",  # 206: voicechat-serve subprocesses, one on the real-time clock
