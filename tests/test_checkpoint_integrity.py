@@ -284,9 +284,10 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(case, verify, converted,
 
 def test_fast_mode_restores_an_altered_file_full_mode_refuses_it(converted, tmp_path):
     """What ``Verify.SIZES`` gives up: a same-size alteration is caught only if the decoder
-    notices. The byte flipped lies in one leaf's compressed chunk, and which chunk sits mid-file
-    depends on the order orbax's writes finished in: zstd either decodes other values for that
-    leaf (the file restores, one leaf differs) or detects the corruption (orbax's one-line error,
+    notices. The byte flipped lies in one leaf's compressed chunk, and the data files' layout
+    differs from one conversion to the next (four conversions of one release here: four
+    different largest files, 0.81-1.64 MB). So zstd either decodes other values for that leaf
+    (the file restores, one leaf differs) or detects the corruption (orbax's one-line error,
     naming the shard). Full verification refuses it either way."""
     d, path = _damaged(converted, tmp_path, "shard file altered")
     shard = os.path.dirname(os.path.dirname(path))  # .../params/shard_NNNNN
