@@ -262,9 +262,14 @@ def _damaged(converted: str, tmp_path, case: str) -> tuple[str, str]:
 def _one_line_error(call, path: str, pattern: str) -> str:
     with pytest.raises(ckpt.CheckpointError) as err:
         call()
-    message = str(err.value)
+    return _check_one_line(err.value, path, pattern)
+
+
+def _check_one_line(error: ckpt.CheckpointError, path: str, pattern: str) -> str:
+    """``error`` is one line that starts with ``path`` and matches ``pattern``; its message."""
+    message = str(error)
     assert "\n" not in message
-    assert err.value.path == path
+    assert error.path == path
     assert message.startswith(f"{path}: "), message
     assert re.search(pattern, message), message
     return message
@@ -293,10 +298,8 @@ def test_fast_mode_restores_an_altered_file_full_mode_refuses_it(converted, tmp_
     shard = os.path.dirname(os.path.dirname(path))  # .../params/shard_NNNNN
     try:
         _, altered, _ = ckpt.restore(d, F32, verify=SIZES)
-    except ckpt.CheckpointError:
-        _one_line_error(
-            lambda: ckpt.restore(d, F32, verify=SIZES), shard, r"orbax cannot restore it"
-        )
+    except ckpt.CheckpointError as error:
+        _check_one_line(error, shard, r"orbax cannot restore it")
     else:
         _, intact, _ = ckpt.restore(converted, F32)
         leaves = zip(jax.tree.leaves(altered), jax.tree.leaves(intact), strict=True)

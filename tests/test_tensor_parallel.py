@@ -14,9 +14,8 @@ through the tokens; it differs only where the per-device batch does (XLA's CPU k
 differently at batch 2 than at 4: measured 1.6e-7 at (2, 2), 0 at (1, 4)): ``WAV_ATOL`` 1e-6, as
 ``test_mesh``.
 
-The worker compiles with ``--xla_backend_optimization_level=0`` and
-``--xla_llvm_disable_expensive_passes`` (CPU code generation only, the same for the one-device
-reference): it halves the compile times that dominate this file's run time.
+The worker compiles, as every process of the suite does, with ``tests/conftest.py``'s fast CPU
+code generation flags (the same for the one-device reference), inherited through ``XLA_FLAGS``.
 """
 
 from __future__ import annotations
@@ -43,15 +42,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATE_ATOL = 1e-5  # LLM state after 4 beats, TP against one device (measured <= 1.9e-6)
 WAV_ATOL = 1e-6  # as test_mesh: per-device batch 2 against 4 (measured <= 1.6e-7)
 LAYOUTS = [f"d{d}m{m}" for d, m in w.LAYOUTS]
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
-def _env(devices: int, fast_compile: bool = False) -> dict[str, str]:
+def _env(devices: int) -> dict[str, str]:
     env = dict(os.environ)
     flags = f" --xla_force_host_platform_device_count={devices}"
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + flags).strip()
-    if fast_compile:
-        env["XLA_FLAGS"] += " " + FAST_COMPILE
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return env
@@ -61,7 +57,7 @@ def _env(devices: int, fast_compile: bool = False) -> dict[str, str]:
 def worker(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     cmd = [sys.executable, "-m", "tests.tp_worker", str(out)]
-    env = _env(w.DEVICES, fast_compile=True)
+    env = _env(w.DEVICES)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out / "result.json") as f:
