@@ -269,22 +269,22 @@ def _capacity_rows(a_ms: float = 20.0, slope_ms: float = 0.8, host_ms: float = 4
 
 
 def test_capacity_rows_are_selected_by_hold_full_loop_and_commit():
-    sel = sim.select_capacity_rows(_capacity_rows())
+    sel = sim.select_capacity_rows(_capacity_rows(), config="xla_tts")
     assert [(r["sessions"], r["commit"], r["loop"]) for r in sel.serves] == [
         (56, "A", "dispatch"), (64, "B", "dispatch"), (72, "B", "dispatch"),
     ]  # fmt: skip
     assert [(r["sessions"], r["commit"]) for r in sel.probes] == [(56, "A"), (64, "B"), (72, "B")]
     assert all(r["tick_ms_p50"] < 999 for r in sel.probes)
     assert [r["commit"] for r in sel.baselines] == ["B"]
-    resident = sim.select_capacity_rows(_capacity_rows(), loop="resident")
+    resident = sim.select_capacity_rows(_capacity_rows(), loop="resident", config="xla_tts")
     assert [r["sessions"] for r in resident.serves] == [56]
     assert [r["commit"] for r in resident.probes] == ["A"]
     assert resident.baselines == []  # no resident row at commit B
 
 
 def test_fit_capacity_recovers_the_line_the_host_and_the_stalls():
-    fit = sim.fit_capacity(_capacity_rows(a_ms=20.0, slope_ms=0.8), _COMPONENTS)
-    assert fit.source == "capacity"
+    fit = sim.fit_capacity(_capacity_rows(a_ms=20.0, slope_ms=0.8), _COMPONENTS, config="xla_tts")
+    assert (fit.source, fit.config) == ("capacity", "xla_tts")
     # B = 1 from the baseline, then the probes; ms per frame-step (half a two-frame tick).
     np.testing.assert_allclose(fit.step_points, [(1, 20.8), (56, 64.8), (64, 71.2), (72, 77.6)])
     np.testing.assert_allclose(fit.cost.a_ms, 20.0, rtol=1e-2)
@@ -310,7 +310,7 @@ def test_fit_capacity_recovers_the_line_the_host_and_the_stalls():
 def test_validate_on_the_capacity_fit():
     # The simulated p50 is the tick plus the other rows' host ms; at 72 the row's host share (8 ms)
     # is not in the model: the simulated p50 is ~4 ms short and most of the real misses are lost.
-    fit = sim.fit_capacity(_capacity_rows(), _COMPONENTS)
+    fit = sim.fit_capacity(_capacity_rows(), _COMPONENTS, config="xla_tts")
     val = {v["sessions"]: v for v in sim.validate(fit, seeds=2)}
     assert sorted(val) == [56, 64, 72]
     for n in (56, 64):
@@ -323,7 +323,37 @@ def test_validate_on_the_capacity_fit():
 def test_fit_capacity_needs_a_matching_probe():
     rows = [r for r in _capacity_rows() if r["kind"] != "probe" or "commit" not in r]
     with pytest.raises(ValueError, match="no probe"):
-        sim.fit_capacity(rows, _COMPONENTS)
+        sim.fit_capacity(rows, _COMPONENTS, config="xla_tts")
+
+
+def test_auto_config_is_the_kernels_auto_picks_at_each_row_slot_count():
+    # The engine's GPU default: the kernels from their thresholds on, XLA on the 1-slot baseline.
+    kernels = {"ssm_kernel": "pallas", "attention": "pallas", "tts_attention": "pallas_mha"}
+    xla = {"ssm_kernel": "xla", "attention": "xla", "tts_attention": "xla"}
+    assert sim.auto_config(1) == xla | {"codec_matmul": "float32"}
+    assert sim.auto_config(64) == kernels | {"codec_matmul": "float32"}
+    # the rows of commit B (no kernel named) as the auto engine writes them, with its distractors
+    # (a probe with no serving row, another policy, other codec products)
+    rows = [r | (xla if r["kind"] == "baseline" else kernels) for r in _capacity_rows()
+            if r.get("commit") == "B" and "tts_attention" not in r]  # fmt: skip
+    serve64 = next(r for r in rows if r["kind"] == "serve" and r["sessions"] == 64)
+    base = next(r for r in rows if r["kind"] == "baseline")
+    # the sixth session's engine at the same commit: XLA's speech-decoder attention at 64, and
+    # a baseline with a kernel that auto does not pick at one slot
+    older = serve64 | {"tts_attention": "xla", "p50_ms": 999.0}
+    rows += [older, base | {"ssm_kernel": "pallas", "ms_p50": 999.0}]
+    sel = sim.select_capacity_rows(rows)  # config="auto", the default
+    assert [(r["sessions"], r["tts_attention"]) for r in sel.serves] == [
+        (64, "pallas_mha"), (72, "pallas_mha"),
+    ]  # fmt: skip
+    assert [r["sessions"] for r in sel.probes] == [64, 72]
+    assert all(r["tick_ms_p50"] < 999 for r in sel.probes)
+    assert sel.baselines == [base]
+    # the same rows under the sixth session's configuration: only its own serving row
+    assert sim.select_capacity_rows(rows, config="xla_tts").serves == [older]
+    fit = sim.fit_capacity(rows, _COMPONENTS)
+    assert fit.config == "auto"
+    np.testing.assert_allclose([b for b, _ in fit.step_points], [1, 64, 72])
 
 
 _RUN = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "policy_sim" / "run.py"
@@ -331,27 +361,31 @@ _TINY = ["--capacity_beats=20", "--seeds=1", "--hour_beats=100", "--erlangs=20",
          "--windows_ms=0", "--plot="]  # fmt: skip
 
 
-def _run(tmp_path: pathlib.Path, fit: str) -> list[dict]:
+def _run(tmp_path: pathlib.Path, fit: str, *extra: str) -> list[dict]:
     """``run.py --fit=<fit>`` on the committed rows with tiny loads; returns its rows."""
     out = tmp_path / f"{fit}.jsonl"
     env = dict(os.environ, PYTHONPATH=str(_RUN.parents[2]), JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, str(_RUN), f"--fit={fit}", f"--out={out}", *_TINY],
+    subprocess.run([sys.executable, str(_RUN), f"--fit={fit}", f"--out={out}", *_TINY, *extra],
                    check=True, env=env, capture_output=True, timeout=120)  # fmt: skip
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def test_run_fits_the_capacity_rows(tmp_path):
-    rows = _run(tmp_path, "capacity")
+@pytest.mark.parametrize("config", ["auto", "xla_tts"])
+def test_run_fits_the_capacity_rows(tmp_path, config):
+    rows = _run(tmp_path, "capacity", f"--capacity_config={config}")
     by = collections.defaultdict(list)
     for r in rows:
         by[r["kind"]].append(r)
-    assert by["model"][0]["source"] == "capacity"
+    assert (by["model"][0]["source"], by["model"][0]["config"]) == ("capacity", config)
     fit = by["fit"]
     assert (fit[0]["row"], fit[0]["slots"]) == ("baseline", 1)  # the 1-slot engine's tick
     assert {r["row"] for r in fit[1:]} == {"probe"}
+    assert {r["commit"] for r in fit} == ({"8593914", "727777b"} if config == "auto"
+                                          else {"d846496", "5386a4f"})  # fmt: skip
     assert {r["sessions"] for r in by["validation"]} >= {56, 64, 72}
-    for r in fit:  # the line fits every point within a few per cent, left in or left out
+    for r in fit:  # the line fits every point within a few per cent
         assert abs(r["fit_ms"] / r["measured_ms"] - 1) < 0.05
+    for r in fit[1:]:  # and every probe left out (the baseline left out is an extrapolation)
         assert abs(r["loo_ms"] / r["measured_ms"] - 1) < 0.05
     assert "context_check" not in by  # the older engine's cap-256 rows are not compared
     (base,) = by["baseline_check"]

@@ -2,10 +2,12 @@
 
 Shared by the scheduling experiments of issue 15 (``batching_policy``, ``slot_buckets``,
 ``frames_per_tick``, ``phase_stagger``, ``admission_overload``, ``idle_speech``). ``--fit=capacity``
-(the default) fits ``sim.fit_capacity`` to the current engine's ``experiments/capacity`` rows;
-``--fit=beat_profile`` fits ``sim.fit_h200`` to the older engine's (``9dce6ca``) beat-profile rows,
-which reproduces the experiments' history. Component rows (the context share) come from the
-beat-profile file in both.
+(the default) fits ``sim.fit_capacity`` to the ``experiments/capacity`` rows of one engine
+configuration, ``--capacity_config``: ``auto`` (the default, the engine's GPU default kernels) or
+``xla_tts`` (the sixth session's engine, XLA's speech-decoder attention: the previous fit, kept as
+history); ``--fit=beat_profile`` fits ``sim.fit_h200`` to the older engine's (``9dce6ca``)
+beat-profile rows, which reproduces the experiments' history. Component rows (the context share)
+come from the beat-profile file in both.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ CAPACITY_ROWS = er.H200_PROFILE.parents[2] / "capacity/results/h200_reference.js
 
 
 def define_fit_flags(figure: str) -> None:
-    """``--fit``, ``--capacity_rows``, ``--profile_rows``, ``--sim_out`` and ``--plot``.
+    """``--fit``, ``--capacity_config``, ``--capacity_rows``, ``--profile_rows``, ``--sim_out`` and
+    ``--plot``.
 
-    ``figure``: the experiment's figure name, ``FIGURE_current.png`` (current fit) or
-    ``FIGURE.png`` (the older one) beside its ``run.py`` by default.
+    ``figure``: the experiment's figure name beside its ``run.py`` by default:
+    ``FIGURE_current.png`` (the current fit), ``FIGURE_xla_tts.png`` (the capacity fit of the
+    engine with XLA's speech-decoder attention) or ``FIGURE.png`` (the oldest, beat_profile).
     """
     flags.DEFINE_enum(
         "fit", "capacity", ["capacity", "beat_profile"],
@@ -32,6 +36,7 @@ def define_fit_flags(figure: str) -> None:
         "sim.fit_capacity) or 'beat_profile' (--profile_rows, the older engine 9dce6ca: "
         "sim.fit_h200).",
     )  # fmt: skip
+    define_config_flag()
     flags.DEFINE_string(
         "capacity_rows", str(CAPACITY_ROWS),
         "Current engine's H200 rows (baseline, probe, hold_full serve) for --fit=capacity.",
@@ -43,14 +48,33 @@ def define_fit_flags(figure: str) -> None:
     )  # fmt: skip
     flags.DEFINE_string(
         "sim_out", None,
-        "Simulated rows (rewritten); default results/sim_h200_current.jsonl for --fit=capacity, "
-        "results/sim_h200.jsonl for --fit=beat_profile.",
+        "Simulated rows (rewritten); default results/sim_h200_current.jsonl for --fit=capacity "
+        "(results/sim_h200_xla_tts.jsonl with --capacity_config=xla_tts), results/sim_h200.jsonl "
+        "for --fit=beat_profile.",
     )  # fmt: skip
     flags.DEFINE_string(
         "plot", None,
-        f"PNG ('' for none); default {figure}_current.png for --fit=capacity, {figure}.png for "
+        f"PNG ('' for none); default {figure}_current.png for --fit=capacity "
+        f"({figure}_xla_tts.png with --capacity_config=xla_tts), {figure}.png for "
         "--fit=beat_profile.",
     )  # fmt: skip
+
+
+def define_config_flag() -> None:
+    """``--capacity_config``: which engine configuration's capacity rows ``--fit=capacity`` uses."""
+    flags.DEFINE_enum(
+        "capacity_config", "auto", list(sim.CAPACITY_CONFIGS),
+        "Engine configuration whose capacity rows --fit=capacity fits (sim.CAPACITY_CONFIGS): "
+        "'auto' (the GPU default kernels, the current engine) or 'xla_tts' (XLA's "
+        "speech-decoder attention: the previous fit, kept as history).",
+    )  # fmt: skip
+
+
+def fit_key() -> str:
+    """``--fit``, with the capacity configuration where it is not the current one."""
+    if FLAGS.fit == "capacity" and FLAGS.capacity_config != "auto":
+        return f"capacity_{FLAGS.capacity_config}"
+    return FLAGS.fit
 
 
 def fit_models(profile: list[dict] | None = None) -> sim.H200Fit:
@@ -63,21 +87,26 @@ def fit_models(profile: list[dict] | None = None) -> sim.H200Fit:
     if FLAGS.fit == "beat_profile":
         return sim.fit_h200(profile)
     components = [r for r in profile if r["kind"] == "component"]
-    return sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components)
+    return sim.fit_capacity(
+        er.read_rows(FLAGS.capacity_rows), components, config=FLAGS.capacity_config
+    )
 
 
 def model_row(fit: sim.H200Fit) -> dict:
     """The fit the simulated rows come from: its rows, step cost, host overhead and stalls."""
-    return {"kind": "model", "source": fit.source, **vars(fit.cost), "context_share": fit.share,
-            "host_ms": fit.tail.host_ms, "stall_prob": fit.tail.stall_prob}  # fmt: skip
+    config = {"config": fit.config} if fit.config else {}
+    return {"kind": "model", "source": fit.source, **config, **vars(fit.cost),
+            "context_share": fit.share, "host_ms": fit.tail.host_ms,
+            "stall_prob": fit.tail.stall_prob}  # fmt: skip
 
 
 def sim_files(here: pathlib.Path, figure: str) -> tuple[str, str]:
     """``(sim_out, plot)``: the flags where given, else ``--fit``'s defaults in ``here``."""
     out, png = {
         "capacity": ("results/sim_h200_current.jsonl", f"{figure}_current.png"),
+        "capacity_xla_tts": ("results/sim_h200_xla_tts.jsonl", f"{figure}_xla_tts.png"),
         "beat_profile": ("results/sim_h200.jsonl", f"{figure}.png"),
-    }[FLAGS.fit]
+    }[fit_key()]
     return (
         FLAGS.sim_out if FLAGS.sim_out is not None else str(here / out),
         FLAGS.plot if FLAGS.plot is not None else str(here / png),
@@ -86,9 +115,12 @@ def sim_files(here: pathlib.Path, figure: str) -> tuple[str, str]:
 
 def fit_label(sim_rows: list[dict]) -> str:
     """Which rows the simulated rows were fitted to (rows without a ``model`` source: the older
-    engine's, as before the current fit existed)."""
-    src = next((r.get("source") for r in sim_rows if r["kind"] == "model"), None)
-    return "capacity rows" if src == "capacity" else "beat_profile rows"
+    engine's, as before the capacity fit existed; a capacity model row without a ``config``: the
+    ``xla_tts`` engine's, as before the configurations were named)."""
+    model = next((r for r in sim_rows if r["kind"] == "model"), {})
+    if model.get("source") != "capacity":
+        return "beat_profile rows"
+    return f"capacity rows, {model.get('config', 'xla_tts')} kernels"
 
 
 def print_validation(sim_rows: list[dict]) -> None:

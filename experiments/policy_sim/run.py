@@ -17,6 +17,7 @@ import math
 import os
 import pathlib
 
+import fits
 import numpy as np
 import sim
 from absl import app, flags, logging
@@ -33,6 +34,7 @@ flags.DEFINE_enum(
     "baseline, hold_full probes and serving rows) or 'beat_profile' (--profile_rows: the older "
     "engine's tick and serving rows).",
 )
+fits.define_config_flag()
 flags.DEFINE_string(
     "capacity_rows",
     str(_REPO / "experiments/capacity/results/h200_reference.jsonl"),
@@ -52,14 +54,16 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     "out",
     None,
-    "JSON-lines output (overwritten); default results/rows_current.jsonl for --fit=capacity, "
-    "results/rows.jsonl for --fit=beat_profile.",
+    "JSON-lines output (overwritten); default results/rows_current.jsonl for --fit=capacity "
+    "(results/rows_xla_tts.jsonl with --capacity_config=xla_tts), results/rows.jsonl for "
+    "--fit=beat_profile.",
 )
 flags.DEFINE_string(
     "plot",
     None,
-    "PNG output ('' for none); default policy_sim_current.png for --fit=capacity, policy_sim.png "
-    "for --fit=beat_profile.",
+    "PNG output ('' for none); default policy_sim_current.png for --fit=capacity "
+    "(policy_sim_xla_tts.png with --capacity_config=xla_tts), policy_sim.png for "
+    "--fit=beat_profile.",
 )
 flags.DEFINE_integer("validate_ticks", 200, "Steady ticks per validation run (as measured).")
 flags.DEFINE_integer("seeds", 5, "Seeds per validation and capacity run.")
@@ -74,8 +78,16 @@ flags.DEFINE_list("gpus", ["1", "2", "4", "8"], "Engine counts for the several-G
 flags.DEFINE_list("windows_ms", ["0", "20", "60"], "Request-batching windows.")
 
 
-_DEFAULT_OUT = {"capacity": "results/rows_current.jsonl", "beat_profile": "results/rows.jsonl"}
-_DEFAULT_PLOT = {"capacity": "policy_sim_current.png", "beat_profile": "policy_sim.png"}
+_DEFAULT_OUT = {
+    "capacity": "results/rows_current.jsonl",
+    "capacity_xla_tts": "results/rows_xla_tts.jsonl",
+    "beat_profile": "results/rows.jsonl",
+}
+_DEFAULT_PLOT = {
+    "capacity": "policy_sim_current.png",
+    "capacity_xla_tts": "policy_sim_xla_tts.png",
+    "beat_profile": "policy_sim.png",
+}
 
 
 def _rows(path: str) -> list[dict]:
@@ -146,7 +158,7 @@ def main(argv):
         fit = sim.fit_h200(prof)
     else:
         comps = [r for r in prof if r["kind"] == "component"]
-        fit = sim.fit_capacity(_rows(FLAGS.capacity_rows), comps)
+        fit = sim.fit_capacity(_rows(FLAGS.capacity_rows), comps, config=FLAGS.capacity_config)
     cost, tail = fit.cost, fit.tail
     B = [b for b, _ in fit.step_points]
     y = [m for _, m in fit.step_points]
@@ -154,7 +166,8 @@ def main(argv):
     # 1. Step-cost model and its leave-one-out error.
     share = fit.share
     loo = sim.leave_one_out(B, y, context_share=share)
-    emit({"kind": "model", "source": fit.source, "context_share": share, **vars(cost)}
+    emit({"kind": "model", "source": fit.source, "config": fit.config, "context_share": share,
+          **vars(cost)}
          | {"frames_per_tick": 2})  # fmt: skip
     for row, b, m, p in zip(fit.ticks, B, y, loo, strict=True):
         capacity_row = fit.source == "capacity"
@@ -285,8 +298,8 @@ def main(argv):
                   "held_gpu_s_per_conv_h": n_gpu * FLAGS.hour_beats * sim.BEAT_MS / 1e3 / conv_h,
                   "busy_gpu_s_per_conv_h": busy_s / conv_h})  # fmt: skip
 
-    out = FLAGS.out if FLAGS.out is not None else str(_HERE / _DEFAULT_OUT[FLAGS.fit])
-    png = FLAGS.plot if FLAGS.plot is not None else str(_HERE / _DEFAULT_PLOT[FLAGS.fit])
+    out = FLAGS.out if FLAGS.out is not None else str(_HERE / _DEFAULT_OUT[fits.fit_key()])
+    png = FLAGS.plot if FLAGS.plot is not None else str(_HERE / _DEFAULT_PLOT[fits.fit_key()])
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         for r in rows_out:

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from voicechat_jax import config as config_lib
 from voicechat_jax.serving.clock import BeatClock
 
 BEAT_MS = 160.0  # two 80 ms frames per tick
@@ -511,6 +512,7 @@ class H200Fit:
     # (B, p99 - p50 ms) the jitter is fitted to
     jitter_points: tuple[tuple[float, float], ...] = ()
     source: str = "beat_profile"  # which rows: "beat_profile" or "capacity"
+    config: str = ""  # the capacity rows' engine configuration (CAPACITY_CONFIGS); "" otherwise
     tick_of: dict[int, float] = dataclasses.field(default_factory=dict)  # tick ms per B measured
 
 
@@ -562,7 +564,10 @@ def _fit_tail(
     u, v = fit_jitter([b for b, _ in jitter_points], [d for _, d in jitter_points], steps=steps)
     sigma_max = max(r["sessions"] for r in ok)
     jitter = Tail(log_sigma0=u, log_sigma1=v, sigma_batch_max=sigma_max)
-    host_each = {r["sessions"]: r["p50_ms"] - tick_of[r["sessions"]] for r in ok}
+    hosts: dict[int, list[float]] = collections.defaultdict(list)
+    for r in ok:  # a session count served more than once: the mean of its rows
+        hosts[r["sessions"]].append(r["p50_ms"] - tick_of[r["sessions"]])
+    host_each = {n: float(np.mean(h)) for n, h in hosts.items()}
     host = float(np.mean(list(host_each.values())))
     quiet_rows = [r for r in ok if r["p50_ms"] + 3 * jitter.sigma_ms(r["sessions"]) < BEAT_MS]
     quiet_ticks = sum(r["steady_ticks"] for r in quiet_rows)
@@ -582,18 +587,39 @@ class CapacityRows:
     baselines: list[dict]  # kind=baseline (1-slot engine) of the same commits
 
 
-# The configuration the capacity fit describes: the kernels and codec products of its rows. A row
-# without one of these fields (older rows) is taken as having the value here.
-CAPACITY_CONFIG = {
-    "ssm_kernel": "pallas",
-    "attention": "pallas",
-    "tts_attention": "xla",
-    "codec_matmul": "float32",
+# The configurations a capacity fit can describe: the kernels and codec products of its rows, as
+# a function of a row's slot count (its ``sessions``; 1 for a batch-1 baseline). A row without one
+# of these fields (older rows) is taken as having the value given.
+
+
+def auto_config(slots: int) -> dict:
+    """The engine's GPU default: the ``auto`` kernels as ``ServeConfig.resolved`` picks them on a
+    GPU at ``slots`` (``config.AUTO_KERNELS``; all XLA on the 1-slot baseline engine), full fp32
+    codec products (the faithful ``reference`` policy)."""
+    k = config_lib.ServeConfig(slots=slots).resolved(platform="gpu", slots=slots).kernels()
+    return {f: k[f] for f in ("ssm_kernel", "attention", "tts_attention")} | {
+        "codec_matmul": "float32"
+    }
+
+
+def xla_tts_config(slots: int) -> dict:
+    """The engine of the sixth session's rows (``5386a4f``, ``d846496``): the Pallas SSM update and
+    LLM attention, XLA's speech-decoder attention, at every slot count (its baseline rows name no
+    kernel), full fp32 codec products."""
+    del slots
+    return {"ssm_kernel": "pallas", "attention": "pallas", "tts_attention": "xla",
+            "codec_matmul": "float32"}  # fmt: skip
+
+
+CAPACITY_CONFIGS: dict[str, Callable[[int], dict]] = {
+    "auto": auto_config,
+    "xla_tts": xla_tts_config,
 }
 
 
-def _of_config(r: dict, config: dict) -> bool:
-    return all(r.get(k, v) == v for k, v in config.items())
+def _of_config(r: dict, config: Callable[[int], dict]) -> bool:
+    slots = 1 if r.get("kind") == "baseline" else r.get("sessions", 1)
+    return all(r.get(k, v) == v for k, v in config(slots).items())
 
 
 def select_capacity_rows(
@@ -601,20 +627,19 @@ def select_capacity_rows(
     *,
     loop: str = "dispatch",
     policy: str = "reference",
-    config: dict | None = None,
+    config: str = "auto",
 ) -> CapacityRows:
     """Picks the worst-case rows of the current engine out of ``capacity/results`` rows.
 
     Serving rows: ``kind=serve`` with ``hold_full`` true (every cache full on every tick, so
-    ``x = 1``), of ``loop``, ``policy`` and ``config`` (default ``CAPACITY_CONFIG``: kernels and
-    codec products; any row, probes and baselines included, that names another value of one of
-    its fields is left out). Probes (the tick timed back to back before serving) and
-    batch-1 baselines carry no ``hold_full`` field, so a probe is kept only where a kept serving row
-    has its session count and commit (it was timed in that run), a baseline only where a kept
-    serving row has its commit; rows without a commit (older runs) are never kept.
+    ``x = 1``), of ``loop``, ``policy`` and ``config`` (a name in ``CAPACITY_CONFIGS``: kernels and
+    codec products at the row's slot count; any row, probes and baselines included, that names
+    another value of one of its fields is left out). Probes (the tick timed back to back before
+    serving) and batch-1 baselines carry no ``hold_full`` field, so a probe is kept only where a
+    kept serving row has its session count and commit (it was timed in that run), a baseline only
+    where a kept serving row has its commit; rows without a commit (older runs) are never kept.
     """
-    config = CAPACITY_CONFIG if config is None else config
-    rows = [r for r in rows if _of_config(r, config)]
+    rows = [r for r in rows if _of_config(r, CAPACITY_CONFIGS[config])]
     serves = sorted(
         (r for r in rows if r.get("kind") == "serve" and r.get("hold_full") is True
          and r.get("loop") == loop and r.get("policy", policy) == policy and r.get("commit")),
@@ -636,7 +661,12 @@ def select_capacity_rows(
 
 
 def fit_capacity(
-    rows: Sequence[dict], components: list[dict], *, loop: str = "dispatch", steps: int = 3000
+    rows: Sequence[dict],
+    components: list[dict],
+    *,
+    loop: str = "dispatch",
+    config: str = "auto",
+    steps: int = 3000,
 ) -> H200Fit:
     """Fits the models to the current engine's ``experiments/capacity`` rows (README here).
 
@@ -646,9 +676,10 @@ def fit_capacity(
     ``fit_h200``. Jitter: ``p99 - p50`` of the serving rows the server kept up with, and of the
     baselines' timed ticks at ``B = 1`` (the only spread measured below 56 slots); held beyond the
     largest serving row. Host overhead: serving p50 minus its run's probe. Host stalls: missed
-    ticks of the rows whose jitter reaches no deadline, per steady tick.
+    ticks of the rows whose jitter reaches no deadline, per steady tick. ``config``: the
+    engine configuration whose rows are fitted (``CAPACITY_CONFIGS``).
     """
-    sel = select_capacity_rows(rows, loop=loop)
+    sel = select_capacity_rows(rows, loop=loop, config=config)
     if not sel.probes:
         raise ValueError("no probe row matches a hold_full serving row")
     share = context_share(components)
@@ -676,6 +707,7 @@ def fit_capacity(
         step_points=tuple(zip(B, y, strict=True)),
         jitter_points=tuple(jit),
         source="capacity",
+        config=config,
         tick_of=tick_of,
     )
 
