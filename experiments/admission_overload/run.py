@@ -4,8 +4,9 @@ Simulated part (``--parts=sim``; host only; the answer for one H200): 90 minutes
 (Poisson; Poisson plus a burst on the hour; Poisson plus a flash crowd), admitted by a threshold
 ``max_live`` with or without a queue (``sim.admit_calls``, which is ``scheduler.AdmissionControl``),
 served in lockstep in slot buckets by the simulator fitted to the H200 rows (``--fit``:
-``capacity``, the default, the current engine's ``experiments/capacity`` rows, ``sim.fit_capacity``;
-or ``beat_profile``, the older engine's, ``sim.fit_h200``: the README's history). Per policy:
+``capacity``, the default, the current engine's ``experiments/capacity`` rows, ``sim.fit_capacity``
+(``--capacity_config=xla_tts``: the previous engine's, the README's history); or ``beat_profile``,
+the older engine's, ``sim.fit_h200``: the README's older history). Per policy:
 fraction of calls refused, waits, fraction of admitted session-beats late, goodput (on-time
 session-beats per beat: calls served on time, on average).
 
@@ -154,19 +155,23 @@ def plot(sim_rows: list[dict], path: str) -> None:
 
     pol = [r for r in sim_rows if r["kind"] == "policy"]
     names = list(dict.fromkeys(r["pattern"] for r in pol))
-    fig, ax = plt.subplots(1, len(names), figsize=(4 * len(names), 4), squeeze=False)
+    fig, ax = plt.subplots(1, len(names), figsize=(4 * len(names), 4), squeeze=False, sharey=True)
+    # per cent late, on one symlog axis from 0 for every panel (most points are exactly 0)
+    top = max([0.01, *(2 * 100 * r["late_frac"] for r in pol)])
     for a, name in zip(ax[0], names, strict=True):
         for q in sorted({r["queue_s"] for r in pol}):
             rs = sorted((r for r in pol if r["pattern"] == name and r["queue_s"] == q),
                         key=lambda r: r["max_live"])  # fmt: skip
-            a.plot([r["refused_frac"] for r in rs], [r["late_frac"] for r in rs], "o-",
+            a.plot([r["refused_frac"] for r in rs], [100 * r["late_frac"] for r in rs], "o-",
                    label=f"queue {q:g} s")  # fmt: skip
             for r in rs:
-                a.annotate(str(r["max_live"]), (r["refused_frac"], r["late_frac"]), fontsize=7)
-        a.set(xlabel="calls refused", ylabel="admitted session-beats late", title=name,
-              yscale="symlog")  # fmt: skip
-        a.set_yscale("symlog", linthresh=1e-4)
+                a.annotate(str(r["max_live"]), (r["refused_frac"], 100 * r["late_frac"]),
+                           fontsize=7)  # fmt: skip
+        a.set(xlabel="calls refused (fraction)", title=name)
+        a.set_yscale("symlog", linthresh=1e-3)
+        a.set_ylim(0, top)
         a.legend(fontsize=7)
+    ax[0][0].set_ylabel("admitted session-beats late, %")
     label = fits.fit_label(sim_rows)
     fig.suptitle(f"H200, simulated ({label}): labels are the admission threshold")
     fig.tight_layout()

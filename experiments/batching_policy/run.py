@@ -10,8 +10,10 @@ Simulated part (``--parts=sim``; host only): the policy simulator fitted to the 
 (``experiments/policy_sim``) gives capacity at zero misses, p99 and GPU-seconds per
 conversation-hour for lockstep, batch 1 and request-style batching with windows, with the
 simulator's validation against the real server. ``--fit`` picks the rows: ``capacity`` (default:
-the current engine's ``experiments/capacity`` rows, ``sim.fit_capacity``) or ``beat_profile`` (the
-older engine's rows, ``sim.fit_h200``: the README's history). See README.md beside this file.
+the current engine's ``experiments/capacity`` rows, ``sim.fit_capacity``; with
+``--capacity_config=xla_tts`` the rows of the engine with XLA's speech-decoder attention, the
+README's history) or ``beat_profile`` (the older engine's rows, ``sim.fit_h200``: the README's older
+history). See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -169,8 +171,7 @@ def _mean(runs: list[dict]) -> dict:
 
 def sim_part() -> list[dict]:
     fit = fits.fit_models()
-    rows = [{"kind": "model", "source": fit.source, **vars(fit.cost), "context_share": fit.share,
-             "host_ms": fit.tail.host_ms, "stall_prob": fit.tail.stall_prob}]  # fmt: skip
+    rows = [fits.model_row(fit)]
     rows += [{"kind": "validation", **v} for v in sim.validate(fit, FLAGS.seeds)]
     nb, quiet, cost = FLAGS.capacity_beats, fit.quiet, fit.cost
 

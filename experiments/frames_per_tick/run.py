@@ -10,10 +10,11 @@ once per frame (f times a tick), the encoder, RNNT head and codec run once per b
 frames, either at a cost independent of f (launch-bound) or proportional to f (the two bounds);
 scaled to the whole-tick fit at f = 2. Capacity at zero misses with the simulator fitted to the
 H200 rows. ``--fit`` picks the whole-tick fit: ``capacity`` (default: the current engine's
-``experiments/capacity`` rows, ``sim.fit_capacity``) or ``beat_profile`` (the older engine's,
-``sim.fit_h200``: the README's history); the split into per-frame and per-beat parts comes from
-the beat_profile component rows under either. Not validated at f != 2 (no such rows yet). See
-README.md beside this file.
+``experiments/capacity`` rows, ``sim.fit_capacity``; ``--capacity_config=xla_tts`` the earlier
+engine's, the README's history) or ``beat_profile`` (the older engine's, ``sim.fit_h200``: the
+oldest history); the split into per-frame and per-beat parts comes from the beat_profile
+component rows under every fit. Not validated at f != 2 (no such rows yet). See README.md beside
+this file.
 """
 
 from __future__ import annotations

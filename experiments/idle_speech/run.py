@@ -17,10 +17,11 @@ Simulated part (``--parts=sim``; host only): the H200 tick with the speech decod
 (``experiments/beat_profile`` rows at B = 16, 32) at b rows instead of B, with and without the
 copy (bytes at the measured copy bandwidth); capacity at zero misses with the simulator fitted to
 the H200 rows, for speaking fractions. ``--fit`` picks the whole-tick fit: ``capacity`` (default:
-the current engine's ``experiments/capacity`` rows, ``sim.fit_capacity``) or ``beat_profile``
-(the older engine's, ``sim.fit_h200``: the README's history); the speech decoder's part comes from
-the beat_profile component rows under either (``--speech_cost``: as measured, or scaled to the
-fitted tick). Skipping a silent frame changes what the model computes
+the current engine's ``experiments/capacity`` rows, ``sim.fit_capacity``; with
+``--capacity_config=xla_tts`` the previous engine's, the README's history) or ``beat_profile``
+(the older engine's, ``sim.fit_h200``: the README's older history); the speech decoder's part
+comes from the beat_profile component rows under each (``--speech_cost``: as measured, or scaled
+to the fitted tick). Skipping a silent frame changes what the model computes
 (its speech-decoder context skips those frames): this measures cost, not quality.
 See README.md beside this file.
 """

@@ -10,8 +10,9 @@ Simulated part (``--parts=sim``; host only): ``sim.simulate_groups`` with the st
 models fitted to the H200 rows: capacity at zero misses, p50/p99 and device busy for 1, 2 and 4
 groups. One group is the validated lockstep simulator; staggered groups are not validated yet.
 ``--fit`` picks the rows: ``capacity`` (default: the current engine's ``experiments/capacity``
-rows, ``sim.fit_capacity``) or ``beat_profile`` (the older engine's, ``sim.fit_h200``: the README's
-history). See README.md beside this file.
+rows, ``sim.fit_capacity``; ``--capacity_config=xla_tts`` the earlier engine's, the README's
+history) or ``beat_profile`` (the older engine's, ``sim.fit_h200``: the oldest history). See
+README.md beside this file.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ and ``SlotBuckets`` on the real-time clock.
 Simulated part (``--parts=sim``; host only): an hour of Poisson calls on one H200 with the
 simulator fitted to the H200 rows: fixed slots against buckets, with a move cost and hysteresis.
 ``--fit`` picks the rows: ``capacity`` (default: the current engine's ``experiments/capacity``
-rows, ``sim.fit_capacity``) or ``beat_profile`` (the older engine's, ``sim.fit_h200``: the README's
-history); the move cost comes from the beat_profile component and copy rows under either.
+rows, ``sim.fit_capacity``; with ``--capacity_config=xla_tts`` the rows of the engine with XLA's
+speech-decoder attention, the README's history) or ``beat_profile`` (the older engine's,
+``sim.fit_h200``: the README's older history); the move cost comes from the beat_profile component
+and copy rows under each.
 See README.md beside this file.
 """
 
@@ -185,9 +187,7 @@ def one_grow(fit: sim.H200Fit, buckets: list[int], resize_ms, beats: int = 40) -
 def sim_part() -> list[dict]:
     prof = er.read_rows(FLAGS.profile_rows)
     fit = fits.fit_models(prof)
-    rows = [{"kind": "model", "source": fit.source, **vars(fit.cost),
-             "context_share": fit.share, "host_ms": fit.tail.host_ms,
-             "stall_prob": fit.tail.stall_prob}]  # fmt: skip
+    rows = [fits.model_row(fit)]
     rows += [{"kind": "validation", **v} for v in sim.validate(fit)]
     adm = next(r for r in fit.components if r["component"].startswith("admission"))
     slot_bytes = adm["bytes"]  # one slot's state (the template written on admission)
