@@ -35,6 +35,7 @@ from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import read_wav
 from voicechat_jax.serving.net import NetConfig, NetFront, load
+from voicechat_jax.serving.scheduler import AdmissionControl, Lockstep
 from voicechat_jax.serving.server import Engine, Server, SessionPlan
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -221,6 +222,7 @@ class TestLive:
         assert status == 200
         assert json.loads(body) == {
             "slots": SLOTS,
+            "max_live": SLOTS,
             "free": SLOTS,
             "live": 0,
             "draining": False,
@@ -540,6 +542,40 @@ class TestLive:
         sid = stats["sessionId"]
         per_session = live.server.metrics.summary()["per_session"][sid]
         assert per_session["underruns"] <= 0.3 * per_session["beats"], per_session
+
+
+def test_max_live_refuses_the_second_caller_with_a_slot_still_empty(engine):
+    """An admission threshold of 1 on 8 slots: ``/capacity`` counts free slots below it, and a
+    second caller is refused at capacity (no queue) while 7 slots are empty."""
+    policy = AdmissionControl(Lockstep(), max_live=1)
+    with serving(engine, clock="realtime", keep_outputs=False, scheduler=policy) as s:
+        s.begin()
+        assert _wait_until(lambda: s.front.readiness()[0], 30)
+        assert json.loads(s.get("/capacity")[1])["free"] == 1
+
+        async def calls():
+            async with Caller(s.ws_url) as a:
+                assert a.first["type"] == "session.created"
+                capacity = json.loads(s.get("/capacity")[1])
+                async with Caller(s.ws_url) as b:
+                    await asyncio.wait_for(b.closed.wait(), 5)
+                return capacity, b
+
+        capacity, b = asyncio.run(calls())
+    assert capacity == {
+        "slots": SLOTS,
+        "max_live": 1,
+        "free": 0,
+        "live": 1,
+        "draining": False,
+        "ready": True,
+        "reason": "ready",
+    }
+    assert b.first["type"] == "error"
+    assert b.first["error"]["code"] == "server_at_capacity"
+    assert "limit 1" in b.first["error"]["message"]
+    assert b.ws.close_code == 1013
+    assert s.server.slots.refused == 1
 
 
 def test_offline_output_unchanged_by_faulty_neighbours(engine):

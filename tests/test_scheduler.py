@@ -20,6 +20,7 @@ from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.engine import Engine
 from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
+from voicechat_jax.serving import runner
 from voicechat_jax.serving import scheduler as sched
 from voicechat_jax.serving.hub import Join
 from voicechat_jax.serving.server import Server, SessionPlan, session_key
@@ -140,6 +141,48 @@ def test_admission_control_queues_first_come_first_served_then_refuses():
     limited.admit(t := SlotTable(4), "x", tick=0)
     with pytest.raises(CapacityError, match="limit 1"):
         limited.admit(t, "y", tick=0)
+
+
+def test_build_engine_wraps_the_policy_in_admission_control_only_when_asked(monkeypatch):
+    """``runner.build_engine``: lockstep or buckets, behind ``AdmissionControl`` when
+    ``max_live`` or ``admission_queue_s`` is set (the queue rounded up to whole beats), the plain
+    policy otherwise. The engines are stand-ins: only the policy is under test."""
+
+    class FakeEngine:
+        def __init__(self, params, cfg, serve, **kw):
+            self.serve, self.kw = serve, kw
+
+    monkeypatch.setattr(runner, "Engine", FakeEngine)
+    monkeypatch.setattr(runner, "BucketEngine", FakeEngine)
+    serve = ServeConfig(slots=8, frames_per_tick=2)
+
+    def policy(**kw):
+        options = runner.RunOptions(serve=serve, **kw)
+        return runner.build_engine(options, None, CFG, serve)[1]
+
+    assert type(policy()) is sched.Lockstep
+    assert type(policy(scheduler="buckets")) is sched.SlotBuckets
+    wrapped = policy(max_live=6)
+    assert isinstance(wrapped, sched.AdmissionControl)
+    assert type(wrapped.inner) is sched.Lockstep
+    assert (wrapped.max_live, wrapped.queue_beats, wrapped.name) == (6, 0, "lockstep+admission")
+    wrapped = policy(scheduler="buckets", buckets=(4, 8), admission_queue_s=10.0)
+    assert isinstance(wrapped, sched.AdmissionControl)
+    assert type(wrapped.inner) is sched.SlotBuckets
+    assert wrapped.buckets == (4, 8)  # the bucket engine compiles the inner policy's buckets
+    assert (wrapped.max_live, wrapped.queue_beats) == (None, 63)  # 10 s / 160 ms, rounded up
+    assert runner.RunOptions(serve=serve, admission_queue_s=0.32).admission_queue_beats == 2
+
+
+def test_net_options_wait_for_the_admission_queue():
+    """With a queue, the front waits for an admission's answer longer than the queue lasts."""
+    serve = ServeConfig(slots=8, frames_per_tick=2)
+    net = {"idle_timeout_s": 3.0}
+    assert runner.net_options(runner.RunOptions(serve=serve, net=net)) == net
+    assert runner.net_options(runner.RunOptions(serve=serve, net=net, max_live=4)) == net
+    queued = runner.net_options(runner.RunOptions(serve=serve, net=net, admission_queue_s=30.0))
+    assert queued["idle_timeout_s"] == 3.0
+    assert queued["admit_timeout_s"] == pytest.approx(188 * 0.16 + 10.0)  # 188 beats, + 10 s
 
 
 def test_source_slots_and_retarget():

@@ -227,6 +227,9 @@ BAD_FLAGS = [
     ("--devices=3 --slots=4", "--slots=4 does not split evenly over --devices=3"),
     ("--buckets=2,4", "--buckets needs --scheduler=buckets"),
     ("--scheduler=fifo", "--scheduler=fifo: value should be one of <lockstep|buckets>"),
+    ("--max_live=0", "--max_live=0 must be in [1, --slots=4]"),
+    ("--max_live=3 --slots=2", "--max_live=3 must be in [1, --slots=2]"),
+    ("--admission_queue_s=-1", "--admission_queue_s=-1.0: must be >= 0"),
 ]
 
 
@@ -320,3 +323,75 @@ def test_scheduler_buckets_serves_churn_with_moves(tmp_path):
         assert _session_frames(out / p.id) == (frames, frames)
         served += 1
     assert served >= 4
+
+
+def _table(stdout: str) -> dict[str, str]:
+    """The summary table's rows (name -> value)."""
+    rows = [re.split(r" {2,}", line, maxsplit=1) for line in stdout.splitlines()]
+    return {row[0]: row[1] for row in rows if len(row) == 2}
+
+
+def test_max_live_refuses_past_the_threshold_at_once(tmp_path):
+    """``--max_live=1`` on 2 slots, no queue: the sessions past the first are refused at tick 0
+    (a slot stays empty), and the run still exits 0 (a refusal is not a failure)."""
+    out = tmp_path / "out"
+    proc = _run(
+        "--clock=offline",
+        "--slots=2",
+        "--max_live=1",
+        "--sessions=3",
+        "--seconds=0.8",
+        f"--output_dir={out}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = _table(proc.stdout)
+    assert table["sessions refused"] == "2"
+    assert table["sessions queued (beats waited)"] == "0 (0)"
+    failures = json.loads((out / "sessions.json").read_text())["failures"]
+    assert sorted(failures) == ["s001", "s002"]
+    for sid in ("s001", "s002"):
+        assert f"(limit 1); session {sid} refused" in failures[sid]
+        assert "waiting" not in failures[sid]
+    rows = _rows(out / "metrics.jsonl")
+    refused = {r["session"]: r["tick"] for r in rows if r.get("event") == "refused"}
+    assert refused == {"s001": 0, "s002": 0}
+    assert rows[-1]["admission"] == {
+        "max_live": 1, "queue_beats": 0, "queued": 0, "waited_beats": 0
+    }  # fmt: skip
+    assert _session_frames(out / "s000") == (10, 10)
+    assert not (out / "s001").exists()
+
+
+def test_admission_queue_admits_when_a_session_ends_then_times_out(tmp_path):
+    """``--max_live=1 --admission_queue_s=0.5`` (4 beats, rounded up): s000 reaches its 4-frame
+    context cap in 2 beats, is seen at it after the third and released at tick 3; s001, first in
+    the queue, takes its place then; s002, behind it, is refused when its 4 beats are up."""
+    out = tmp_path / "out"
+    proc = _run(
+        "--clock=offline",
+        "--slots=2",
+        "--max_live=1",
+        "--admission_queue_s=0.5",
+        "--sessions=3",
+        "--context_frames=4",
+        "--seconds=1.6",
+        f"--output_dir={out}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = _table(proc.stdout)
+    assert table["sessions refused"] == "1"
+    assert table["sessions queued (beats waited)"] == "2 (7)"  # s001 3 beats, s002 4
+    sessions = json.loads((out / "sessions.json").read_text())
+    assert sessions["ended"] == {"s000": "context cap", "s001": "context cap"}
+    assert list(sessions["failures"]) == ["s002"]
+    assert "session s002 refused after waiting 4 beats" in sessions["failures"]["s002"]
+    rows = _rows(out / "metrics.jsonl")
+    admitted = {r["session"]: r["tick"] for r in rows if r.get("event") == "admitted"}
+    assert admitted == {"s000": 0, "s001": 3}
+    refused = {r["session"]: r["tick"] for r in rows if r.get("event") == "refused"}
+    assert refused == {"s002": 4}
+    assert rows[-1]["admission"] == {
+        "max_live": 1, "queue_beats": 4, "queued": 2, "waited_beats": 7
+    }  # fmt: skip
+    for sid in ("s000", "s001"):
+        assert _session_frames(out / sid) == (4, 4)

@@ -14,6 +14,10 @@ a WebSocket at ``/v1/realtime`` in the OpenAI Realtime API's events, ``/healthz`
 
   voicechat-serve --listen=0.0.0.0:8765 --slots=8
 
+With ``--max_live`` and ``--admission_queue_s`` the scheduler runs behind an admission threshold
+and a queue with a timeout (``scheduler.AdmissionControl``; experiments/admission_overload: 72
+and a 10-30 s queue on one H200): a session that finds the server full waits, then is refused.
+
 With ``--devices=N`` the slots split over the first N local devices (``voicechat_jax.mesh``: each
 device steps its own ``slots / N``, no collective); the dispatch loop only. With
 ``--model_parallel=M`` as well, the devices form N / M groups of M: the slots split over the
@@ -166,6 +170,18 @@ flags.DEFINE_integer(
     "--scheduler=buckets: beats the live count must fit a smaller bucket "
     "before sessions are moved into it.",
 )
+flags.DEFINE_integer(
+    "max_live",
+    None,
+    "Admission threshold: sessions live at once at most (default: every slot); one that finds "
+    "them full waits up to --admission_queue_s, then is refused (experiments/admission_overload).",
+)
+flags.DEFINE_float(
+    "admission_queue_s",
+    0.0,
+    "Seconds a session that finds the server full (--max_live or every slot) waits for a slot, "
+    "first come first served, before it is refused (0: refused at once).",
+)
 flags.DEFINE_float(
     "drain_timeout_s", 10.0, "After SIGTERM/SIGINT, exit 1 if draining takes longer than this."
 )
@@ -184,6 +200,7 @@ flags.register_validator("frames_per_tick", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("warmup_ticks", lambda v: v >= 0, "must be >= 0")
 flags.register_validator("drain_timeout_s", lambda v: v > 0, "must be > 0")
 flags.register_validator("idle_timeout_s", lambda v: v > 0, "must be > 0")
+flags.register_validator("admission_queue_s", lambda v: v >= 0, "must be >= 0")
 
 
 @flags.validator("listen", "expected HOST:PORT with a port in [0, 65535]")
@@ -250,6 +267,14 @@ def _check_buckets(values: dict) -> bool:
         raise flags.ValidationError("--buckets must be slot counts >= 1, comma-separated")
     if b and max(int(x) for x in b) != values["slots"]:
         raise flags.ValidationError(f"--buckets must end at --slots={values['slots']}")
+    return True
+
+
+@flags.multi_flags_validator(["max_live", "slots"])
+def _check_max_live(values: dict) -> bool:
+    limit, slots = values["max_live"], values["slots"]
+    if limit is not None and slots >= 1 and not 1 <= limit <= slots:
+        raise flags.ValidationError(f"--max_live={limit} must be in [1, --slots={slots}]")
     return True
 
 
@@ -395,6 +420,8 @@ def options_from_flags() -> runner.RunOptions:
         buckets=tuple(int(x) for x in FLAGS.buckets),
         shrink_after=FLAGS.shrink_after,
         rollovers_per_beat=FLAGS.rollovers_per_beat,
+        max_live=FLAGS.max_live,
+        admission_queue_s=FLAGS.admission_queue_s,
     )
 
 

@@ -41,7 +41,7 @@ import enum
 import json
 import math
 import threading
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import TextIO
 
 import numpy as np
@@ -500,9 +500,10 @@ class MetricsRecorder:
             out["failed_sessions"] = self.event_counts.get("failed", 0)
             return out
 
-    def close(self) -> dict:
-        """Writes the summary as the last JSON line and returns it."""
-        summary = self.summary()
+    def close(self, extra: Mapping[str, object] | None = None) -> dict:
+        """Writes the summary as the last JSON line and returns it; ``extra``: more of the run's
+        report (the scheduler's counts, say), in the line and the returned dict alike."""
+        summary = {**self.summary(), **(extra or {})}
         with self._lock:
             self._write({"type": "summary", **summary})
         return summary
@@ -591,6 +592,9 @@ def format_table(summary: dict) -> str:
     rows += [(f"sessions {event}", f"{n}") for event, n in sorted(summary["events"].items())]
     rows += [(f"sessions ended: {why}", f"{n}") for why, n in sorted(summary["ended"].items())]
     rows.append(("sessions failed", f"{summary['failed_sessions']}"))
+    if "admission" in summary:  # scheduler.AdmissionControl's counts (the runner adds them)
+        a = summary["admission"]
+        rows.append(("sessions queued (beats waited)", f"{a['queued']} ({a['waited_beats']})"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 

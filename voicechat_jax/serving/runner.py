@@ -65,6 +65,22 @@ class RunOptions:
     buckets: tuple[int, ...] = ()  # scheduler 'buckets': slot counts (default: default_buckets)
     shrink_after: int = 25  # scheduler 'buckets': beats of fitting a smaller bucket before a move
     rollovers_per_beat: int = 1  # reset/memory: roll-overs in one beat at most
+    # Admission control (``scheduler.AdmissionControl``, experiments/admission_overload): at most
+    # ``max_live`` sessions live at once (None: every slot); a session that finds them full waits
+    # up to ``admission_queue_s`` for one to end (0: refused at once). Either set wraps the policy.
+    max_live: int | None = None
+    admission_queue_s: float = 0.0
+
+    @property
+    def admission_queue_beats(self) -> int:
+        """``admission_queue_s`` in whole beats, rounded up (10 s at 160 ms: 63)."""
+        beats = self.admission_queue_s * 1000.0 / self.serve.beat_ms
+        return math.ceil(beats - 1e-9)  # a float just above a whole count is that count
+
+    @property
+    def admission(self) -> bool:
+        """Whether the policy runs behind ``scheduler.AdmissionControl``."""
+        return self.max_live is not None or self.admission_queue_s > 0
 
     @property
     def n_ticks(self) -> int:
@@ -194,18 +210,26 @@ def build(options: RunOptions, mesh: Mesh | None = None):
     return cfg, params, options.serve, tokenizer
 
 
-def build_engine(options: RunOptions, params, cfg, serve, mesh: Mesh | None = None):
+def build_engine(
+    options: RunOptions, params, cfg, serve, mesh: Mesh | None = None
+) -> tuple[Engine, scheduler_lib.Scheduler]:
     """The engine and the scheduler of ``options.scheduler``: ``lockstep`` on an ``Engine``
     (over ``mesh`` if given); ``buckets`` on a ``BucketEngine`` (one device; its ticks compiled
-    before the clock starts)."""
+    before the clock starts). With ``options.max_live`` or ``options.admission_queue_s`` set, the
+    policy sits behind a ``scheduler.AdmissionControl``; otherwise it is the plain one."""
     if scheduler_lib.Policy(options.scheduler) == scheduler_lib.Policy.BUCKETS:
         if mesh is not None:
             raise ValueError("slot buckets serve one device (--devices=1)")
         buckets = options.buckets or scheduler_lib.default_buckets(serve.slots)
         engine = BucketEngine(params, cfg, serve, buckets=buckets)
         policy = scheduler_lib.make("buckets", buckets=buckets, shrink_after=options.shrink_after)
-        return engine, policy
-    return Engine(params, cfg, serve, mesh=mesh), scheduler_lib.Lockstep()
+    else:
+        engine, policy = Engine(params, cfg, serve, mesh=mesh), scheduler_lib.Lockstep()
+    if options.admission:
+        policy = scheduler_lib.AdmissionControl(
+            policy, max_live=options.max_live, queue_beats=options.admission_queue_beats
+        )
+    return engine, policy
 
 
 def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResult:
@@ -258,7 +282,7 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
             finally:
                 if front is not None:
                     front.stop()
-                summary = server.metrics.close()
+                summary = server.metrics.close(_admission_report(scheduler))
                 failures.update(server.failures)
                 with open(os.path.join(options.output_dir, "sessions.json"), "w") as f:
                     json.dump(
@@ -285,6 +309,31 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
     )
 
 
+def _admission_report(scheduler: scheduler_lib.Scheduler) -> dict:
+    """The admission queue's counts for the run's summary: ``{"admission": {...}}`` (threshold,
+    queue in beats, sessions that waited, beats waited in all); {} without admission control."""
+    if not isinstance(scheduler, scheduler_lib.AdmissionControl):
+        return {}
+    report = {
+        "max_live": scheduler.max_live,
+        "queue_beats": scheduler.queue_beats,
+        "queued": scheduler.queued,
+        "waited_beats": scheduler.waited_beats,
+    }
+    return {"admission": report}
+
+
+def net_options(options: RunOptions) -> dict:
+    """The ``net.NetConfig`` fields of ``options`` (its ``net``): with an admission queue, the
+    front waits for an admission's answer longer than the queue (queue + 10 s at least), so that
+    a queued caller is admitted or refused by the server, never cut off by the front's timeout."""
+    fields = dict(options.net)
+    if options.admission_queue_beats:
+        queue_s = options.admission_queue_beats * options.serve.beat_ms / 1000.0
+        fields["admit_timeout_s"] = max(fields.get("admit_timeout_s", 10.0), queue_s + 10.0)
+    return fields
+
+
 def _vanish_beats(options: RunOptions) -> int:
     """Beats without audio after which a session counts as vanished: 4 s; with live calls, 2 s
     past their idle timeout, so that the front ends an idle call first, with its own reason."""
@@ -300,7 +349,7 @@ def _start_front(options: RunOptions, server: Server, tokenizer):
     from voicechat_jax.serving import net  # aiohttp: imported only by a server that listens
 
     host, port = net.parse_listen(options.listen)
-    config = net.NetConfig(host=host, port=port, **options.net)
+    config = net.NetConfig(host=host, port=port, **net_options(options))
     front = net.NetFront(server, config, text_decode=tokenizer)
     url = front.start()
     with open(os.path.join(options.output_dir, "listen.json"), "w") as f:

@@ -11,8 +11,9 @@ application on its own thread and event loop:
   bounded ``OutputStream`` and sent one 80 ms frame at a time, paced within each beat.
 - ``GET /healthz``: the process answers. ``GET /readyz``: 200 once the tick is compiled and its
   warm-up beats are served, and while the server admits sessions, else 503 with the reason.
-  ``GET /capacity``: JSON ``slots``, ``free``, ``live``, ``draining``, ``ready`` (what a router
-  admits by). ``GET /metrics``: Prometheus text (``prometheus_client``): the server's report
+  ``GET /capacity``: JSON ``slots``, ``max_live`` (the admission threshold, ``slots`` without
+  one), ``free`` (below it), ``live``, ``draining``, ``ready`` (what a router admits by).
+  ``GET /metrics``: Prometheus text (``prometheus_client``): the server's report
   (``metrics.SummaryCollector``: beat latency summary and histogram, misses, skipped ticks,
   underruns, session events including refusals) and this front's gauges and counters (live
   sessions, free slots, connections, protocol errors, dropped output). ``GET /``: the browser
@@ -47,6 +48,7 @@ from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving.hub import HubClosedError, Join
 from voicechat_jax.serving.metrics import SummaryCollector
 from voicechat_jax.serving.net import protocol as p
+from voicechat_jax.serving.scheduler import AdmissionControl
 from voicechat_jax.serving.sessions import CapacityError
 from voicechat_jax.serving.writer import OutputStream
 
@@ -226,8 +228,19 @@ class NetFront:
             return False, "warming up"
         return True, "ready"
 
+    def max_live(self) -> int:
+        """Sessions the server admits at once: its slots, or fewer under an admission threshold
+        (``scheduler.AdmissionControl.max_live``)."""
+        n = self.server.slots.n_slots
+        policy = self.server.scheduler
+        if isinstance(policy, AdmissionControl) and policy.max_live is not None:
+            return min(policy.max_live, n)
+        return n
+
     def free_slots(self) -> int:
-        return self.server.slots.n_slots - len(self.server.slots)
+        """Sessions that would be admitted now (what ``/readyz`` and ``/capacity`` report and a
+        router admits by): below the admission threshold, not merely empty slots."""
+        return max(0, self.max_live() - len(self.server.slots))
 
     # ---- HTTP --------------------------------------------------------------------------------
 
@@ -248,11 +261,13 @@ class NetFront:
         return web.json_response(body, status=200 if ready else 503)
 
     async def _capacity(self, request: web.Request) -> web.Response:
-        """What a router admits by: slots, free slots, live sessions, draining, ready (always 200,
-        so that a draining server's numbers can still be read)."""
+        """What a router admits by: slots, the admission threshold, free slots (below it), live
+        sessions, draining, ready (always 200, so that a draining server's numbers can still be
+        read)."""
         ready, why = self.readiness()
         body = {
             "slots": self.server.slots.n_slots,
+            "max_live": self.max_live(),
             "free": self.free_slots(),
             "live": len(self.server.slots),
             "draining": bool(self.server.stopping),
@@ -661,7 +676,11 @@ class _FrontCollector:
         yield GaugeMetricFamily(
             "voicechat_live_sessions", "Sessions in a slot now.", len(f.server.slots)
         )
-        yield GaugeMetricFamily("voicechat_free_slots", "Slots free now.", f.free_slots())
+        yield GaugeMetricFamily(
+            "voicechat_free_slots",
+            "Slots free now (below the admission threshold).",
+            f.free_slots(),
+        )
         yield GaugeMetricFamily(
             "voicechat_slots", "Slots the state is sized for.", f.server.slots.n_slots
         )
