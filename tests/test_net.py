@@ -578,6 +578,32 @@ def test_max_live_refuses_the_second_caller_with_a_slot_still_empty(engine):
     assert s.server.slots.refused == 1
 
 
+def test_a_queued_caller_is_admitted_when_the_live_one_leaves(engine):
+    """An admission threshold of 1 with a 60-beat queue: a second caller hears nothing while it
+    waits, and is admitted at the beat after the first one hangs up (no refusal)."""
+    policy = AdmissionControl(Lockstep(), max_live=1, queue_beats=60)
+    with serving(engine, clock="realtime", keep_outputs=False, scheduler=policy) as s:
+        s.begin()
+        assert _wait_until(lambda: s.front.readiness()[0], 30)
+
+        async def calls():
+            a = await Caller(s.ws_url).__aenter__()
+            b = Caller(s.ws_url)
+            entered = asyncio.create_task(b.__aenter__())
+            await asyncio.sleep(0.5)  # a few beats: b waits in the queue, under a's idle timeout
+            waiting = (entered.done(), policy.queued, a.first["type"])
+            await a.__aexit__(None, None, None)
+            await asyncio.wait_for(entered, 5)
+            await b.__aexit__(None, None, None)
+            return waiting, b.first
+
+        waiting, first = asyncio.run(calls())
+    assert waiting == (False, 1, "session.created")
+    assert first["type"] == "session.created"
+    assert policy.waited_beats >= 2
+    assert s.server.slots.refused == 0
+
+
 def test_offline_output_unchanged_by_faulty_neighbours(engine):
     """On the offline clock a scripted call's output is exactly what it is alone, while network
     calls beside it send garbage, flood, and vanish."""
