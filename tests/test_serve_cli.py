@@ -331,11 +331,14 @@ def _table(stdout: str) -> dict[str, str]:
     return {row[0]: row[1] for row in rows if len(row) == 2}
 
 
-def test_max_live_refuses_past_the_threshold_at_once(tmp_path):
+@pytest.mark.parametrize("loop", ["dispatch", "resident"])
+def test_max_live_refuses_past_the_threshold_at_once(tmp_path, loop):
     """``--max_live=1`` on 2 slots, no queue: the sessions past the first are refused at tick 0
-    (a slot stays empty), and the run still exits 0 (a refusal is not a failure)."""
+    (a slot stays empty), and the run still exits 0 (a refusal is not a failure); on either
+    loop."""
     out = tmp_path / "out"
     proc = _run(
+        f"--loop={loop}",
         "--clock=offline",
         "--slots=2",
         "--max_live=1",
@@ -362,12 +365,14 @@ def test_max_live_refuses_past_the_threshold_at_once(tmp_path):
     assert not (out / "s001").exists()
 
 
-def test_admission_queue_admits_when_a_session_ends_then_times_out(tmp_path):
+@pytest.mark.parametrize("loop", ["dispatch", "resident"])
+def test_admission_queue_admits_when_a_session_ends_then_times_out(tmp_path, loop):
     """``--max_live=1 --admission_queue_s=0.5`` (4 beats, rounded up): s000 reaches its 4-frame
     context cap in 2 beats, is seen at it after the third and released at tick 3; s001, first in
     the queue, takes its place then; s002, behind it, is refused when its 4 beats are up."""
     out = tmp_path / "out"
     proc = _run(
+        f"--loop={loop}",
         "--clock=offline",
         "--slots=2",
         "--max_live=1",
