@@ -41,6 +41,17 @@ def _run(*flags: str, cwd=None, timeout=600, **kw) -> subprocess.CompletedProces
     )
 
 
+def _table(stdout: str) -> dict[str, str]:
+    """The summary table's rows (name -> value)."""
+    rows = [re.split(r" {2,}", line, maxsplit=1) for line in stdout.splitlines()]
+    return {row[0]: row[1] for row in rows if len(row) == 2}
+
+
+def _event_ticks(rows: list[dict], event: str) -> dict[str, int]:
+    """Session -> tick of each ``event`` row of a run's metrics."""
+    return {r["session"]: r["tick"] for r in rows if r.get("event") == event}
+
+
 def _rows(path: pathlib.Path) -> list[dict]:
     """JSON lines, skipping a last line still being written."""
     rows = []
@@ -130,8 +141,7 @@ def test_context_cap_and_failed_sessions_are_reported(tmp_path):
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "session s000 ended at the context cap (4 frames)" in proc.stderr
     assert "1 session(s) failed" in proc.stderr
-    rows = [re.split(r" {2,}", line, maxsplit=1) for line in proc.stdout.splitlines()]
-    table = {row[0]: row[1] for row in rows if len(row) == 2}
+    table = _table(proc.stdout)
     assert table["sessions ended: context cap"] == "1"
     assert table["sessions failed"] == "1"
     assert _session_frames(out / "s000") == (4, 4)
@@ -325,10 +335,14 @@ def test_scheduler_buckets_serves_churn_with_moves(tmp_path):
     assert served >= 4
 
 
-def _table(stdout: str) -> dict[str, str]:
-    """The summary table's rows (name -> value)."""
-    rows = [re.split(r" {2,}", line, maxsplit=1) for line in stdout.splitlines()]
-    return {row[0]: row[1] for row in rows if len(row) == 2}
+def _admission_run(tmp_path, loop: str, *flags: str) -> tuple[pathlib.Path, dict[str, str]]:
+    """Three scripted sessions on 2 slots behind ``--max_live=1`` (offline clock, ``loop``), with
+    ``flags``; asserts the run exits 0 and returns (output dir, summary table)."""
+    out = tmp_path / "out"
+    proc = _run(f"--loop={loop}", "--clock=offline", "--slots=2", "--max_live=1",
+                "--sessions=3", *flags, f"--output_dir={out}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, _table(proc.stdout)
 
 
 @pytest.mark.parametrize("loop", ["dispatch", "resident"])
@@ -336,18 +350,7 @@ def test_max_live_refuses_past_the_threshold_at_once(tmp_path, loop):
     """``--max_live=1`` on 2 slots, no queue: the sessions past the first are refused at tick 0
     (a slot stays empty), and the run still exits 0 (a refusal is not a failure); on either
     loop."""
-    out = tmp_path / "out"
-    proc = _run(
-        f"--loop={loop}",
-        "--clock=offline",
-        "--slots=2",
-        "--max_live=1",
-        "--sessions=3",
-        "--seconds=0.8",
-        f"--output_dir={out}",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    table = _table(proc.stdout)
+    out, table = _admission_run(tmp_path, loop, "--seconds=0.8")
     assert table["sessions refused"] == "2"
     assert table["sessions queued (beats waited)"] == "0 (0)"
     failures = json.loads((out / "sessions.json").read_text())["failures"]
@@ -356,8 +359,7 @@ def test_max_live_refuses_past_the_threshold_at_once(tmp_path, loop):
         assert f"(limit 1); session {sid} refused" in failures[sid]
         assert "waiting" not in failures[sid]
     rows = _rows(out / "metrics.jsonl")
-    refused = {r["session"]: r["tick"] for r in rows if r.get("event") == "refused"}
-    assert refused == {"s001": 0, "s002": 0}
+    assert _event_ticks(rows, "refused") == {"s001": 0, "s002": 0}
     assert rows[-1]["admission"] == {
         "max_live": 1, "queue_beats": 0, "queued": 0, "waited_beats": 0
     }  # fmt: skip
@@ -370,20 +372,9 @@ def test_admission_queue_admits_when_a_session_ends_then_times_out(tmp_path, loo
     """``--max_live=1 --admission_queue_s=0.5`` (4 beats, rounded up): s000 reaches its 4-frame
     context cap in 2 beats, is seen at it after the third and released at tick 3; s001, first in
     the queue, takes its place then; s002, behind it, is refused when its 4 beats are up."""
-    out = tmp_path / "out"
-    proc = _run(
-        f"--loop={loop}",
-        "--clock=offline",
-        "--slots=2",
-        "--max_live=1",
-        "--admission_queue_s=0.5",
-        "--sessions=3",
-        "--context_frames=4",
-        "--seconds=1.6",
-        f"--output_dir={out}",
+    out, table = _admission_run(
+        tmp_path, loop, "--admission_queue_s=0.5", "--context_frames=4", "--seconds=1.6"
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    table = _table(proc.stdout)
     assert table["sessions refused"] == "1"
     assert table["sessions queued (beats waited)"] == "2 (7)"  # s001 3 beats, s002 4
     sessions = json.loads((out / "sessions.json").read_text())
@@ -391,10 +382,8 @@ def test_admission_queue_admits_when_a_session_ends_then_times_out(tmp_path, loo
     assert list(sessions["failures"]) == ["s002"]
     assert "session s002 refused after waiting 4 beats" in sessions["failures"]["s002"]
     rows = _rows(out / "metrics.jsonl")
-    admitted = {r["session"]: r["tick"] for r in rows if r.get("event") == "admitted"}
-    assert admitted == {"s000": 0, "s001": 3}
-    refused = {r["session"]: r["tick"] for r in rows if r.get("event") == "refused"}
-    assert refused == {"s002": 4}
+    assert _event_ticks(rows, "admitted") == {"s000": 0, "s001": 3}
+    assert _event_ticks(rows, "refused") == {"s002": 4}
     assert rows[-1]["admission"] == {
         "max_live": 1, "queue_beats": 4, "queued": 2, "waited_beats": 7
     }  # fmt: skip
