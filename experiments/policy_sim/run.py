@@ -17,6 +17,7 @@ import math
 import os
 import pathlib
 
+import engine_runs as er
 import fits
 import numpy as np
 import sim
@@ -90,11 +91,6 @@ _DEFAULT_PLOT = {
 }
 
 
-def _rows(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _mean_summary(runs: list[dict]) -> dict:
     keys = ("p50_ms", "p99_ms", "max_ms", "missed", "miss_rate", "busy_gpu_s_per_conv_h")
     return {k: float(np.mean([r[k] for r in runs])) for k in keys}
@@ -153,12 +149,7 @@ def main(argv):
     def emit(row: dict) -> None:
         rows_out.append(row)
 
-    prof = _rows(FLAGS.profile_rows)
-    if FLAGS.fit == "beat_profile":
-        fit = sim.fit_h200(prof)
-    else:
-        comps = [r for r in prof if r["kind"] == "component"]
-        fit = sim.fit_capacity(_rows(FLAGS.capacity_rows), comps, config=FLAGS.capacity_config)
+    fit = fits.fit_models(er.read_rows(FLAGS.profile_rows))  # the rows --fit names
     cost, tail = fit.cost, fit.tail
     B = [b for b, _ in fit.step_points]
     y = [m for _, m in fit.step_points]
@@ -166,8 +157,8 @@ def main(argv):
     # 1. Step-cost model and its leave-one-out error.
     share = fit.share
     loo = sim.leave_one_out(B, y, context_share=share)
-    emit({"kind": "model", "source": fit.source, "config": fit.config, "context_share": share,
-          **vars(cost)}
+    config = {"config": fit.config} if fit.config else {}  # as fits.model_row
+    emit({"kind": "model", "source": fit.source, **config, "context_share": share, **vars(cost)}
          | {"frames_per_tick": 2})  # fmt: skip
     for row, b, m, p in zip(fit.ticks, B, y, loo, strict=True):
         capacity_row = fit.source == "capacity"
@@ -178,7 +169,7 @@ def main(argv):
     # Context check against the older cap-256 serving rows (an older engine: indicative only, and
     # only beside the fit to the older engine's rows).
     if fit.source == "beat_profile":
-        for r in (r for r in _rows(FLAGS.latency_rows) if r["loop"] == "dispatch"):
+        for r in (r for r in er.read_rows(FLAGS.latency_rows) if r["loop"] == "dispatch"):
             x = r["context_frames"] / sim.CAP_FRAMES
             emit({"kind": "context_check", "sessions": r["sessions"],
                   "context_frames": r["context_frames"], "ssm_kernel": r.get("ssm_kernel", "xla"),
