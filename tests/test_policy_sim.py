@@ -403,3 +403,22 @@ def test_run_still_fits_the_beat_profile_rows(tmp_path):
     assert [r["sessions"] for r in rows if r["kind"] == "validation"] == [16, 32, 56, 112]
     assert any(r["kind"] == "context_check" for r in rows)
     assert not any(r["kind"] in ("baseline_check", "validation_own_host") for r in rows)
+
+
+def test_engine_rows_reach_the_file_as_they_are_measured(tmp_path):
+    """A run cut short keeps the rows it measured: ``run_parts`` writes each as it is appended."""
+    import engine_runs
+
+    out = tmp_path / "rows.jsonl"
+
+    def engine_part(rows):
+        rows.append({"kind": "tick", "frames_per_tick": 1})
+        rows += [{"kind": "serve", "frames_per_tick": 1}]
+        assert [r["kind"] for r in engine_runs.read_rows(out)] == ["tick", "serve"]
+        raise TimeoutError("the call's time ran out")
+
+    with pytest.raises(TimeoutError):
+        engine_runs.run_parts(["engine"], out=str(out), sim_out=str(tmp_path / "sim.jsonl"),
+                              plot_path=None, engine_part=engine_part, sim_part=list,
+                              plot=None, print_tables=None)  # fmt: skip
+    assert [r["kind"] for r in engine_runs.read_rows(out)] == ["tick", "serve"]

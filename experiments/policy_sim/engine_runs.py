@@ -197,6 +197,27 @@ def write_rows(path: str | None, rows: Sequence[dict]) -> None:
             f.write(json.dumps(r, default=float) + "\n")
 
 
+class RowLog(list):
+    """The engine part's rows, each appended to ``path`` as it arrives, so a run cut short (a
+    device call's time limit) keeps every row it measured."""
+
+    def __init__(self, path: str | None):
+        super().__init__()
+        self.path = path
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        write_rows(self.path, [row])
+
+    def extend(self, rows) -> None:
+        for r in rows:
+            self.append(r)
+
+    def __iadd__(self, rows):
+        self.extend(rows)
+        return self
+
+
 def read_rows(path: str | os.PathLike) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -213,14 +234,13 @@ def run_parts(
     plot: Callable[[list[dict], list[dict], str], None],
     print_tables: Callable[[list[dict], list[dict]], None],
 ) -> None:
-    """The scheduling experiments' ``main``: the real-engine part (rows appended to ``out``), the
-    simulator part (``sim_out`` rewritten), the plot from this run's rows or else the files', and
-    the tables of this run's rows."""
-    engine_rows: list[dict] = []
+    """The scheduling experiments' ``main``: the real-engine part (rows appended to ``out`` as they
+    are measured), the simulator part (``sim_out`` rewritten), the plot from this run's rows or
+    else the files', and the tables of this run's rows."""
+    engine_rows = RowLog(out)  # written to ``out`` row by row
     sim_rows: list[dict] = []
     if "engine" in parts:
         engine_part(engine_rows)
-        write_rows(out, engine_rows)
     if "sim" in parts:
         sim_rows = sim_part()
         if os.path.exists(sim_out):
