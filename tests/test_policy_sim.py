@@ -422,3 +422,22 @@ def test_engine_rows_reach_the_file_as_they_are_measured(tmp_path):
                               plot_path=None, engine_part=engine_part, sim_part=list,
                               plot=None, print_tables=None)  # fmt: skip
     assert [r["kind"] for r in engine_runs.read_rows(out)] == ["tick", "serve"]
+
+
+def test_tick_check_on_the_committed_rows(tmp_path):
+    """``tick_check.py``: the capacity fit is low on the multi-slot ticks below 56 slots, and one
+    line through every multi-slot point fits them all."""
+    out = tmp_path / "check.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(_RUN.parents[2]), JAX_PLATFORMS="cpu")
+    subprocess.run([sys.executable, str(_RUN.parent / "tick_check.py"), f"--out={out}"],
+                   check=True, env=env, capture_output=True, timeout=120)  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ticks = [r for r in rows if r["kind"] == "tick"]
+    assert {r["slots"] for r in ticks} == {1, 8, 16, 32}
+    for r in ticks:
+        if r["slots"] > 1:  # below the measured tick even with every cache full
+            assert r["fit_full_ms"] < r["tick_ms"]
+    (line,) = [r for r in rows if r["kind"] == "line"]
+    assert line["points"] == 12
+    assert line["max_abs_error"] < 0.05
+    assert 0.5 < line["slope_ms"] < 0.8

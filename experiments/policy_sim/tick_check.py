@@ -1,0 +1,97 @@
+"""The capacity fit's step cost against the scheduling experiments' measured H200 ticks.
+
+The fit (``sim.fit_capacity``) has no row between 1 and 56 slots, and splits its slope between
+state and caches by the component rows' byte share. The engine parts of ``batching_policy``,
+``slot_buckets`` and ``phase_stagger`` time ticks of 1-32 slots back to back with caches nearly
+empty. This script puts the two side by side (the fit at empty and at full caches), then fits one
+line through every multi-slot point, those ticks and the capacity probes alike
+(``sim.fit_step_cost`` with no context share). Rows (JSON lines) to ``--out``; a table last.
+README.md beside this file. Host only: no device is used.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import engine_runs as er
+import fits
+import sim
+from absl import app, flags
+
+_HERE = pathlib.Path(__file__).resolve().parent
+_EXP = _HERE.parent
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("capacity_rows", str(fits.CAPACITY_ROWS), "experiments/capacity rows.")
+flags.DEFINE_string("profile_rows", str(er.H200_PROFILE), "beat_profile rows (component bytes).")
+flags.DEFINE_list(
+    "tick_rows",
+    [str(_EXP / f"{e}/results/h200_voicechat_11b.jsonl")
+     for e in ("batching_policy", "slot_buckets", "phase_stagger")],
+    "The scheduling experiments' H200 engine rows.",
+)  # fmt: skip
+flags.DEFINE_string("out", str(_HERE / "results/tick_check.jsonl"), "Rows (overwritten).")
+flags.DEFINE_integer("min_slots", 8, "The line is fitted to the points of at least this many.")
+
+
+def measured_ticks(rows: list[dict]) -> list[dict]:
+    """One point per timed back-to-back tick in ``rows``: where, slot count, tick ms."""
+    out = []
+    for r in rows:
+        if r["kind"] == "lockstep":
+            out.append({"row": "batching_policy lockstep", "slots": r["sessions"],
+                        "tick_ms": r["tick_ms"]})  # fmt: skip
+        elif r["kind"] == "per_session" and r["sessions"] == 1:
+            out.append({"row": "batching_policy batch 1", "slots": 1, "tick_ms": r["tick1_ms"]})
+        elif r["kind"] == "tick":
+            out.append({"row": f"slot_buckets {r['engine']} ({r['live']} live)",
+                        "slots": r["slots"], "tick_ms": r["tick_ms"]})  # fmt: skip
+        elif r["kind"] == "groups":
+            out.append({"row": f"phase_stagger {r['groups']} x {r['group_slots']}",
+                        "slots": r["group_slots"], "tick_ms": r["tick_ms"]})  # fmt: skip
+    return out
+
+
+def main(argv):
+    del argv
+    profile = er.read_rows(FLAGS.profile_rows)
+    components = [r for r in profile if r["kind"] == "component"]
+    fit = sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components, config="auto")
+    cost = fit.cost
+    points = [p for path in FLAGS.tick_rows for p in measured_ticks(er.read_rows(path))]
+    rows = [{"kind": "model", **fits.model_row(fit)}]
+    for p in points:
+        B = p["slots"]
+        rows.append({"kind": "tick", **p, "fit_empty_ms": cost.tick_ms(B, 0.0),
+                     "fit_full_ms": cost.tick_ms(B, 1.0)})  # fmt: skip
+    probes = [(B, 2 * y) for B, y in fit.step_points if B > 1]
+    multi = [(p["slots"], p["tick_ms"]) for p in points if p["slots"] >= FLAGS.min_slots]
+    B, t = zip(*(multi + probes), strict=True)
+    line = sim.fit_step_cost(B, [x / 2 for x in t], context_share=0.0)
+    for b, y in zip(B, t, strict=True):
+        rows.append({"kind": "line_point", "slots": b, "tick_ms": y,
+                     "line_ms": line.tick_ms(b), "error": line.tick_ms(b) / y - 1})  # fmt: skip
+    rows.append({"kind": "line", "a_ms": line.a_ms, "slope_ms": line.b_ms + line.c_ms,
+                 "min_slots": FLAGS.min_slots, "points": len(B),
+                 "max_abs_error": max(abs(r["error"]) for r in rows if r["kind"] == "line_point")})
+    if FLAGS.out:
+        pathlib.Path(FLAGS.out).unlink(missing_ok=True)
+        er.write_rows(FLAGS.out, rows)
+    print(f"capacity fit (auto): {cost.a_ms:.2f} + {cost.b_ms:.3f} B + {cost.c_ms:.3f} B x "
+          "ms a frame-step")  # fmt: skip
+    print(f"{'row':34s} {'B':>3} {'tick':>6} {'fit x=0':>12} {'fit x=1':>12}")
+    for r in rows:
+        if r["kind"] == "tick":
+            e0, e1 = (r[k] / r["tick_ms"] - 1 for k in ("fit_empty_ms", "fit_full_ms"))
+            print(f"{r['row']:34s} {r['slots']:>3} {r['tick_ms']:6.1f} "
+                  f"{r['fit_empty_ms']:6.1f} {e0:+5.0%} {r['fit_full_ms']:6.1f} {e1:+5.0%}")
+    last = rows[-1]
+    print(f"one line through {last['points']} points of >= {FLAGS.min_slots} slots: "
+          f"{last['a_ms']:.2f} + {last['slope_ms']:.3f} B ms a frame-step, "
+          f"max error {last['max_abs_error']:.1%}")
+    print(f"  at 1 slot it gives {line.tick_ms(1):.1f} ms; measured (all XLA): "
+          + ", ".join(f"{p['tick_ms']:.1f}" for p in points if p["slots"] == 1))
+
+
+if __name__ == "__main__":
+    app.run(main)
