@@ -71,9 +71,16 @@ def main(argv):
     for b, y in zip(B, t, strict=True):
         rows.append({"kind": "line_point", "slots": b, "tick_ms": y,
                      "line_ms": line.tick_ms(b), "error": line.tick_ms(b) / y - 1})  # fmt: skip
-    rows.append({"kind": "line", "a_ms": line.a_ms, "slope_ms": line.b_ms + line.c_ms,
-                 "min_slots": FLAGS.min_slots, "points": len(B),
-                 "max_abs_error": max(abs(r["error"]) for r in rows if r["kind"] == "line_point")})
+    rows.append(
+        {
+            "kind": "line",
+            "a_ms": line.a_ms,
+            "slope_ms": line.b_ms + line.c_ms,
+            "min_slots": FLAGS.min_slots,
+            "points": len(B),
+            "max_abs_error": max(abs(r["error"]) for r in rows if r["kind"] == "line_point"),
+        }
+    )
     if FLAGS.out:
         pathlib.Path(FLAGS.out).unlink(missing_ok=True)
         er.write_rows(FLAGS.out, rows)
@@ -83,14 +90,20 @@ def main(argv):
     for r in rows:
         if r["kind"] == "tick":
             e0, e1 = (r[k] / r["tick_ms"] - 1 for k in ("fit_empty_ms", "fit_full_ms"))
-            print(f"{r['row']:34s} {r['slots']:>3} {r['tick_ms']:6.1f} "
-                  f"{r['fit_empty_ms']:6.1f} {e0:+5.0%} {r['fit_full_ms']:6.1f} {e1:+5.0%}")
+            print(
+                f"{r['row']:34s} {r['slots']:>3} {r['tick_ms']:6.1f} "
+                f"{r['fit_empty_ms']:6.1f} {e0:+5.0%} {r['fit_full_ms']:6.1f} {e1:+5.0%}"
+            )
     last = rows[-1]
-    print(f"one line through {last['points']} points of >= {FLAGS.min_slots} slots: "
-          f"{last['a_ms']:.2f} + {last['slope_ms']:.3f} B ms a frame-step, "
-          f"max error {last['max_abs_error']:.1%}")
-    print(f"  at 1 slot it gives {line.tick_ms(1):.1f} ms; measured (all XLA): "
-          + ", ".join(f"{p['tick_ms']:.1f}" for p in points if p["slots"] == 1))
+    print(
+        f"one line through {last['points']} points of >= {FLAGS.min_slots} slots: "
+        f"{last['a_ms']:.2f} + {last['slope_ms']:.3f} B ms a frame-step, "
+        f"max error {last['max_abs_error']:.1%}"
+    )
+    print(
+        f"  at 1 slot it gives {line.tick_ms(1):.1f} ms; measured (all XLA): "
+        + ", ".join(f"{p['tick_ms']:.1f}" for p in points if p["slots"] == 1)
+    )
 
 
 if __name__ == "__main__":
