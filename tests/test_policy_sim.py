@@ -441,3 +441,44 @@ def test_tick_check_on_the_committed_rows(tmp_path):
     assert line["points"] == 12
     assert line["max_abs_error"] < 0.05
     assert 0.5 < line["slope_ms"] < 0.8
+
+
+def test_fit_tick_line_puts_every_multi_slot_point_on_one_line_and_one_slot_apart():
+    # Capacity rows on 20 + 0.8 B a frame-step (B = 1 at 20.8), and scheduling ticks on
+    # 30 + 0.7 B from 8 slots up with one all-XLA 1-slot tick of 36 ms (18 a frame-step).
+    fit = sim.fit_capacity(_capacity_rows(a_ms=30.0, slope_ms=0.7), _COMPONENTS, config="xla_tts")
+    engine_rows = [
+        {"kind": "lockstep", "sessions": 1, "tick_ms": 36.0},
+        {"kind": "tick", "engine": "buckets", "slots": 8, "live": 8, "tick_ms": 2 * (30 + 5.6)},
+        {"kind": "groups", "groups": 2, "group_slots": 16, "tick_ms": 2 * (30 + 11.2)},
+        {"kind": "serve", "p50_ms": 99.0},  # no tick timed: not a point
+    ]
+    points = sim.measured_ticks(engine_rows)
+    assert [p["slots"] for p in points] == [1, 8, 16]
+    line = sim.fit_tick_line(fit, points)
+    assert line.tick_line
+    assert not fit.tick_line  # the capacity fit is left as it was
+    np.testing.assert_allclose(line.cost.a_ms, 30.0, rtol=1e-2)
+    np.testing.assert_allclose(line.cost.b_ms, 0.7, rtol=1e-2)
+    assert line.cost.c_ms == 0.0  # no context term: the fill does not move the tick
+    # the 1-slot engine: the mean of the baseline's frame-step (30.7) and the lockstep tick's (18)
+    assert line.cost.one_slot_ms == pytest.approx((30.7 + 18.0) / 2)
+    assert line.cost.tick_ms(1) == pytest.approx(30.7 + 18.0)
+    assert line.cost.tick_ms(8, 0.0) == pytest.approx(line.cost.tick_ms(8, 1.0))
+    assert (line.tail, line.host_each) == (fit.tail, fit.host_each)
+
+
+def test_run_tick_line_names_its_outputs_and_needs_the_current_fit(tmp_path):
+    run = _RUN.parents[1] / "phase_stagger/run.py"
+    env = dict(os.environ, PYTHONPATH=str(_RUN.parents[2]), JAX_PLATFORMS="cpu")
+    out = tmp_path / "sim.jsonl"
+    subprocess.run([sys.executable, str(run), "--parts=sim", "--tick_line", f"--sim_out={out}",
+                    "--plot=", "--sim_sessions=8,16", "--sim_beats=50", "--seeds=1"],
+                   check=True, env=env, capture_output=True, timeout=300)  # fmt: skip
+    model = json.loads(out.read_text().splitlines()[0])
+    assert (model["kind"], model["tick_line"], model["c_ms"]) == ("model", True, 0.0)
+    bad = subprocess.run([sys.executable, str(run), "--parts=sim", "--tick_line",
+                          "--capacity_config=xla_tts", f"--sim_out={out}", "--plot="],
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode != 0
+    assert "--tick_line refits the current engine" in bad.stderr

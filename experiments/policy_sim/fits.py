@@ -20,11 +20,13 @@ from absl import flags
 
 FLAGS = flags.FLAGS
 CAPACITY_ROWS = er.H200_PROFILE.parents[2] / "capacity/results/h200_reference.jsonl"
+TICK_ROWS = [er.H200_PROFILE.parents[2] / f"{e}/results/h200_voicechat_11b.jsonl"
+             for e in ("batching_policy", "slot_buckets", "phase_stagger")]  # fmt: skip
 
 
 def define_fit_flags(figure: str) -> None:
-    """``--fit``, ``--capacity_config``, ``--capacity_rows``, ``--profile_rows``, ``--sim_out`` and
-    ``--plot``.
+    """``--fit``, ``--capacity_config``, ``--tick_line``, ``--tick_rows``, ``--capacity_rows``,
+    ``--profile_rows``, ``--sim_out`` and ``--plot``.
 
     ``figure``: the experiment's figure name beside its ``run.py`` by default:
     ``FIGURE_current.png`` (the current fit), ``FIGURE_xla_tts.png`` (the capacity fit of the
@@ -37,6 +39,16 @@ def define_fit_flags(figure: str) -> None:
         "sim.fit_h200).",
     )  # fmt: skip
     define_config_flag()
+    flags.DEFINE_bool(
+        "tick_line", False,
+        "With --fit=capacity: refit the step cost to one line through the scheduling experiments' "
+        "measured multi-slot ticks (--tick_rows) and the capacity probes, the 1-slot engine apart "
+        "(sim.fit_tick_line); outputs named *_line.",
+    )  # fmt: skip
+    flags.DEFINE_list(
+        "tick_rows", [str(p) for p in TICK_ROWS],
+        "The scheduling experiments' H200 engine rows, for --tick_line.",
+    )  # fmt: skip
     flags.DEFINE_string(
         "capacity_rows", str(CAPACITY_ROWS),
         "Current engine's H200 rows (baseline, probe, hold_full serve) for --fit=capacity.",
@@ -70,10 +82,17 @@ def define_config_flag() -> None:
     )  # fmt: skip
 
 
+def _tick_line() -> bool:
+    """``--tick_line`` where the experiment defines it (``policy_sim/run.py`` does not)."""
+    return "tick_line" in FLAGS and FLAGS.tick_line
+
+
 def fit_key() -> str:
     """``--fit``, with the capacity configuration where it is not the current one."""
     if FLAGS.fit == "capacity" and FLAGS.capacity_config != "auto":
         return f"capacity_{FLAGS.capacity_config}"
+    if FLAGS.fit == "capacity" and _tick_line():
+        return "capacity_line"
     return FLAGS.fit
 
 
@@ -82,20 +101,29 @@ def fit_models(profile: list[dict] | None = None) -> sim.H200Fit:
 
     ``profile``: the ``--profile_rows`` rows, if already read.
     """
+    if _tick_line() and (FLAGS.fit, FLAGS.capacity_config) != ("capacity", "auto"):
+        raise ValueError("--tick_line refits the current engine: it needs --fit=capacity and "
+                         "--capacity_config=auto")  # fmt: skip
     if profile is None:
         profile = er.read_rows(FLAGS.profile_rows)
     if FLAGS.fit == "beat_profile":
         return sim.fit_h200(profile)
     components = [r for r in profile if r["kind"] == "component"]
-    return sim.fit_capacity(
+    fit = sim.fit_capacity(
         er.read_rows(FLAGS.capacity_rows), components, config=FLAGS.capacity_config
     )
+    if _tick_line():
+        points = [p for path in FLAGS.tick_rows for p in sim.measured_ticks(er.read_rows(path))]
+        fit = sim.fit_tick_line(fit, points)
+    return fit
 
 
 def model_row(fit: sim.H200Fit) -> dict:
     """The fit the simulated rows come from: its rows, step cost, host overhead and stalls."""
     config = {"config": fit.config} if fit.config else {}
-    return {"kind": "model", "source": fit.source, **config, **vars(fit.cost),
+    config |= {"tick_line": True} if fit.tick_line else {}
+    cost = {k: v for k, v in vars(fit.cost).items() if v is not None}
+    return {"kind": "model", "source": fit.source, **config, **cost,
             "context_share": fit.share, "host_ms": fit.tail.host_ms,
             "stall_prob": fit.tail.stall_prob}  # fmt: skip
 
@@ -105,6 +133,7 @@ def sim_files(here: pathlib.Path, figure: str) -> tuple[str, str]:
     out, png = {
         "capacity": ("results/sim_h200_current.jsonl", f"{figure}_current.png"),
         "capacity_xla_tts": ("results/sim_h200_xla_tts.jsonl", f"{figure}_xla_tts.png"),
+        "capacity_line": ("results/sim_h200_line.jsonl", f"{figure}_line.png"),
         "beat_profile": ("results/sim_h200.jsonl", f"{figure}.png"),
     }[fit_key()]
     return (
@@ -120,7 +149,8 @@ def fit_label(sim_rows: list[dict]) -> str:
     model = next((r for r in sim_rows if r["kind"] == "model"), {})
     if model.get("source") != "capacity":
         return "beat_profile rows"
-    return f"capacity rows, {model.get('config', 'xla_tts')} kernels"
+    line = ", tick line" if model.get("tick_line") else ""
+    return f"capacity rows, {model.get('config', 'xla_tts')} kernels{line}"
 
 
 def print_validation(sim_rows: list[dict]) -> None:

@@ -60,9 +60,14 @@ class StepCost:
     b_ms: float  # per frame-step per slot: state read and written
     c_ms: float  # per frame-step per slot at the 1500-frame cap: caches read whole
     frames_per_tick: int = 2
+    # a 1-slot engine's frame-step where it is another configuration off the line (``auto`` picks
+    # all XLA at one slot; ``fit_tick_line``); None: the line holds there too
+    one_slot_ms: float | None = None
 
     def frame_step_ms(self, batch: float, context_frac: float = 1.0) -> float:
         """Device ms of one frame-step of ``batch`` slots at caches ``context_frac`` of 1500."""
+        if self.one_slot_ms is not None and batch <= 1:
+            return self.one_slot_ms
         return self.a_ms + batch * (self.b_ms + self.c_ms * context_frac)
 
     def tick_ms(self, batch: float, context_frac: float = 1.0) -> float:
@@ -514,6 +519,7 @@ class H200Fit:
     source: str = "beat_profile"  # which rows: "beat_profile" or "capacity"
     config: str = ""  # the capacity rows' engine configuration (CAPACITY_CONFIGS); "" otherwise
     tick_of: dict[int, float] = dataclasses.field(default_factory=dict)  # tick ms per B measured
+    tick_line: bool = False  # the step cost refitted to the scheduling experiments' ticks
 
 
 def fit_h200(rows: list[dict]) -> H200Fit:
@@ -710,6 +716,45 @@ def fit_capacity(
         config=config,
         tick_of=tick_of,
     )
+
+
+def measured_ticks(rows: Sequence[dict]) -> list[dict]:
+    """One point per back-to-back tick timed in the scheduling experiments' engine rows
+    (``batching_policy``, ``slot_buckets``, ``phase_stagger``): its source, slot count, tick ms."""
+    out = []
+    for r in rows:
+        if r["kind"] == "lockstep":
+            out.append({"row": "batching_policy lockstep", "slots": r["sessions"],
+                        "tick_ms": r["tick_ms"]})  # fmt: skip
+        elif r["kind"] == "per_session" and r["sessions"] == 1:
+            out.append({"row": "batching_policy batch 1", "slots": 1, "tick_ms": r["tick1_ms"]})
+        elif r["kind"] == "tick" and "engine" in r:
+            out.append({"row": f"slot_buckets {r['engine']} ({r['live']} live)",
+                        "slots": r["slots"], "tick_ms": r["tick_ms"]})  # fmt: skip
+        elif r["kind"] == "groups":
+            out.append({"row": f"phase_stagger {r['groups']} x {r['group_slots']}",
+                        "slots": r["group_slots"], "tick_ms": r["tick_ms"]})  # fmt: skip
+    return out
+
+
+def fit_tick_line(fit: H200Fit, points: Sequence[dict], *, min_slots: int = 8) -> H200Fit:
+    """``fit`` (a capacity fit) with its step cost refitted to the measured ticks.
+
+    One line ``a + s*B`` a frame-step, with no context term, through every point of at least
+    ``min_slots`` slots (``measured_ticks``, caches nearly empty) and the fit's probes (every cache
+    full): the multi-slot engine's tick barely depends on the fill (README here). A 1-slot engine
+    is ``auto``'s all-XLA configuration, off that line: its frame-step is the mean of the 1-slot
+    points (``StepCost.one_slot_ms``). Tail and host models are kept.
+    """
+    multi = [(p["slots"], p["tick_ms"] / 2) for p in points if p["slots"] >= min_slots]
+    multi += [(B, y) for B, y in fit.step_points if B > 1]
+    one = [y for B, y in fit.step_points if B == 1]
+    one += [p["tick_ms"] / 2 for p in points if p["slots"] == 1]
+    B, y = zip(*multi, strict=True)
+    line = fit_step_cost(B, y, context_share=0.0)
+    cost = dataclasses.replace(line, one_slot_ms=float(np.mean(one)) if one else None)
+    return dataclasses.replace(fit, cost=cost, tick_line=True,
+                               step_points=tuple(multi) + tuple((1, v) for v in one))  # fmt: skip
 
 
 def validate(fit: H200Fit, seeds: int = 5) -> list[dict]:

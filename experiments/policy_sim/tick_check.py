@@ -34,31 +34,13 @@ flags.DEFINE_string("out", str(_HERE / "results/tick_check.jsonl"), "Rows (overw
 flags.DEFINE_integer("min_slots", 8, "The line is fitted to the points of at least this many.")
 
 
-def measured_ticks(rows: list[dict]) -> list[dict]:
-    """One point per timed back-to-back tick in ``rows``: where, slot count, tick ms."""
-    out = []
-    for r in rows:
-        if r["kind"] == "lockstep":
-            out.append({"row": "batching_policy lockstep", "slots": r["sessions"],
-                        "tick_ms": r["tick_ms"]})  # fmt: skip
-        elif r["kind"] == "per_session" and r["sessions"] == 1:
-            out.append({"row": "batching_policy batch 1", "slots": 1, "tick_ms": r["tick1_ms"]})
-        elif r["kind"] == "tick":
-            out.append({"row": f"slot_buckets {r['engine']} ({r['live']} live)",
-                        "slots": r["slots"], "tick_ms": r["tick_ms"]})  # fmt: skip
-        elif r["kind"] == "groups":
-            out.append({"row": f"phase_stagger {r['groups']} x {r['group_slots']}",
-                        "slots": r["group_slots"], "tick_ms": r["tick_ms"]})  # fmt: skip
-    return out
-
-
 def main(argv):
     del argv
     profile = er.read_rows(FLAGS.profile_rows)
     components = [r for r in profile if r["kind"] == "component"]
     fit = sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components, config="auto")
     cost = fit.cost
-    points = [p for path in FLAGS.tick_rows for p in measured_ticks(er.read_rows(path))]
+    points = [p for path in FLAGS.tick_rows for p in sim.measured_ticks(er.read_rows(path))]
     rows = [{"kind": "model", **fits.model_row(fit)}]
     for p in points:
         B = p["slots"]
