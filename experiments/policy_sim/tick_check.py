@@ -5,12 +5,13 @@ state and caches by the component rows' byte share. The engine parts of ``batchi
 ``slot_buckets`` and ``phase_stagger`` time ticks of 1-32 slots back to back with caches nearly
 empty. This script puts the two side by side (the fit at empty and at full caches), then fits one
 line through every multi-slot point, those ticks and the capacity probes alike
-(``sim.fit_step_cost`` with no context share). Rows (JSON lines) to ``--out``; a table last.
-README.md beside this file. Host only: no device is used.
+(``sim.fit_tick_line``, the step cost ``--tick_line`` simulates with). Rows (JSON lines) to
+``--out``; a table last. README.md beside this file. Host only: no device is used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import engine_runs as er
@@ -19,17 +20,13 @@ import sim
 from absl import app, flags
 
 _HERE = pathlib.Path(__file__).resolve().parent
-_EXP = _HERE.parent
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("capacity_rows", str(fits.CAPACITY_ROWS), "experiments/capacity rows.")
 flags.DEFINE_string("profile_rows", str(er.H200_PROFILE), "beat_profile rows (component bytes).")
 flags.DEFINE_list(
-    "tick_rows",
-    [str(_EXP / f"{e}/results/h200_voicechat_11b.jsonl")
-     for e in ("batching_policy", "slot_buckets", "phase_stagger")],
-    "The scheduling experiments' H200 engine rows.",
-)  # fmt: skip
+    "tick_rows", [str(p) for p in fits.TICK_ROWS], "The scheduling experiments' H200 engine rows."
+)
 flags.DEFINE_string("out", str(_HERE / "results/tick_check.jsonl"), "Rows (overwritten).")
 flags.DEFINE_integer("min_slots", 8, "The line is fitted to the points of at least this many.")
 
@@ -41,16 +38,15 @@ def main(argv):
     fit = sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components, config="auto")
     cost = fit.cost
     points = [p for path in FLAGS.tick_rows for p in sim.measured_ticks(er.read_rows(path))]
-    rows = [{"kind": "model", **fits.model_row(fit)}]
+    rows = [fits.model_row(fit)]
     for p in points:
         B = p["slots"]
         rows.append({"kind": "tick", **p, "fit_empty_ms": cost.tick_ms(B, 0.0),
                      "fit_full_ms": cost.tick_ms(B, 1.0)})  # fmt: skip
-    probes = [(B, 2 * y) for B, y in fit.step_points if B > 1]
-    multi = [(p["slots"], p["tick_ms"]) for p in points if p["slots"] >= FLAGS.min_slots]
-    B, t = zip(*(multi + probes), strict=True)
-    line = sim.fit_step_cost(B, [x / 2 for x in t], context_share=0.0)
-    for b, y in zip(B, t, strict=True):
+    refit = sim.fit_tick_line(fit, points, min_slots=FLAGS.min_slots)
+    line = dataclasses.replace(refit.cost, one_slot_ms=None)  # the line alone, at 1 slot too
+    B = [b for b, _ in refit.step_points if b > 1]
+    for b, y in ((b, 2 * y) for b, y in refit.step_points if b > 1):
         rows.append({"kind": "line_point", "slots": b, "tick_ms": y,
                      "line_ms": line.tick_ms(b), "error": line.tick_ms(b) / y - 1})  # fmt: skip
     rows.append(
