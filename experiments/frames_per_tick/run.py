@@ -47,6 +47,17 @@ flags.DEFINE_integer("context_frames", 64, "Context cap in frames (1500 on the H
 flags.DEFINE_string("out", str(_HERE / "results/cpu_tiny.jsonl"), "Engine rows (appended).")
 flags.DEFINE_integer("seeds", 5, "Simulator seeds per capacity probe.")
 flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.")
+flags.DEFINE_enum(
+    "split", "measured", ["measured", "components"],
+    "How the simulated tick at f frames splits into per-frame and per-beat parts: 'measured' "
+    "(a line in f through the H200 ticks at 32 slots, --fpt_rows and the f = 2 ticks of "
+    "--tick_rows; outputs named *_measured) or 'components' (the beat_profile component rows, "
+    "fixed and ~f bounds: the history).",
+)  # fmt: skip
+flags.DEFINE_string(
+    "fpt_rows", str(_HERE / "results/h200_voicechat_11b.jsonl"),
+    "H200 engine rows of this experiment (ticks and serves at f != 2), for --split=measured.",
+)  # fmt: skip
 er.define_engine_flags()
 fits.define_fit_flags("frames_per_tick")
 
@@ -110,43 +121,98 @@ def tick_model(fit: sim.H200Fit, lines: dict, f: int, per_beat_scales: bool):
     return ms
 
 
+def measured_split(fpt_rows: list[dict], f2_points: list[dict], slots: int = 32) -> dict:
+    """The tick at ``slots`` slots as a line in f, ``per_beat + f * per_frame`` ms, fitted (least
+    squares) to the measured ticks: this experiment's at f != 2 and the scheduling experiments'
+    at f = 2 (``sim.measured_ticks``, their mean). ``share``: the per-beat part's share of the
+    f = 2 tick on the line."""
+    points = [(2, float(np.mean([p["tick_ms"] for p in f2_points if p["slots"] == slots])))]
+    ticks = [r for r in fpt_rows if r["kind"] == "tick" and r["slots"] == slots]
+    points += [(r["frames_per_tick"], r["tick_ms"]) for r in ticks if r["frames_per_tick"] != 2]
+    f, t = np.array(points, float).T
+    per_frame, per_beat = np.polyfit(f, t, 1)
+    return {"kind": "split", "slots": slots, "points": points, "per_beat_ms": float(per_beat),
+            "per_frame_ms": float(per_frame),
+            "share": float(per_beat / (per_beat + 2 * per_frame)),
+            "max_error": float(np.max(np.abs(per_beat + per_frame * f - t) / t))}  # fmt: skip
+
+
+def split_tick_model(fit: sim.H200Fit, share: float, f: int):
+    """Device ms of a tick of B slots at f frames: the fitted f = 2 tick with its per-beat share
+    paid once a beat and the rest once a frame (``measured_split``; the share measured at 32
+    slots, held at every B)."""
+    return lambda B: fit.cost.tick_ms(B) * (share + (1 - share) * f / 2)
+
+
+def _probe(tick, period: float, n: int, fit: sim.H200Fit, beats: int) -> list[dict]:
+    """``FLAGS.seeds`` simulated lockstep runs of ``n`` sessions on ``n`` slots."""
+    return [
+        sim.simulate_lockstep(fit.cost, beats, n, slots=n, tail=fit.quiet,
+                              rng=np.random.default_rng(s), period_ms=period,
+                              tick_cost=tick).summary()
+        for s in range(FLAGS.seeds)
+    ]  # fmt: skip
+
+
+def serve_validation(fit: sim.H200Fit, share: float, fpt_rows: list[dict]) -> list[dict]:
+    """The measured split's simulated p50 and p99 against each H200 serving row at f != 2."""
+    out = []
+    for r in (r for r in fpt_rows if r["kind"] == "serve"):
+        f, n = r["frames_per_tick"], r["slots"]
+        runs = _probe(split_tick_model(fit, share, f), FRAME_MS * f, n, fit, r["steady_ticks"])
+        p50 = float(np.mean([x["p50_ms"] for x in runs]))
+        out.append({"kind": "serve_validation", "frames_per_tick": f, "sessions": n,
+                    "real_p50_ms": r["p50_ms"], "sim_p50_ms": p50,
+                    "p50_error": p50 / r["p50_ms"] - 1, "real_p99_ms": r["p99_ms"],
+                    "sim_p99_ms": float(np.mean([x["p99_ms"] for x in runs])),
+                    "real_missed": r["missed_ticks"],
+                    "sim_missed": float(np.mean([x["missed"] for x in runs]))})  # fmt: skip
+    return out
+
+
 def sim_part() -> list[dict]:
     fit = fits.fit_models(er.read_rows(FLAGS.profile_rows))
-    lines = component_lines(fit.components)
-    rows = [fits.model_row(fit), {"kind": "components", "lines": lines}]
+    rows = [fits.model_row(fit)]
+    if FLAGS.split == "measured":
+        fpt_rows = er.read_rows(FLAGS.fpt_rows)
+        f2 = [p for path in FLAGS.tick_rows for p in sim.measured_ticks(er.read_rows(path))]
+        split = measured_split(fpt_rows, f2)
+        rows.append(split)
+        models = [(None, f, split_tick_model(fit, split["share"], f))
+                  for f in (int(x) for x in FLAGS.fpt)]  # fmt: skip
+    else:
+        lines = component_lines(fit.components)
+        rows.append({"kind": "components", "lines": lines})
+        models = [(scales, f, tick_model(fit, lines, f, scales))
+                  for scales in (False, True) for f in (int(x) for x in FLAGS.fpt)]  # fmt: skip
     rows += [{"kind": "validation", **v} for v in sim.validate(fit)]
-    for per_beat_scales in (False, True):
-        for f in (int(x) for x in FLAGS.fpt):
-            tick = tick_model(fit, lines, f, per_beat_scales)
-            period = FRAME_MS * f
+    if FLAGS.split == "measured":
+        rows += serve_validation(fit, split["share"], fpt_rows)
+    for per_beat_scales, f, tick in models:
+        period = FRAME_MS * f
 
-            def probe(n, tick=tick, period=period):
-                return [
-                    sim.simulate_lockstep(fit.cost, FLAGS.capacity_beats, n, slots=n,
-                                          tail=fit.quiet, rng=np.random.default_rng(s),
-                                          period_ms=period, tick_cost=tick).summary()
-                    for s in range(FLAGS.seeds)
-                ]  # fmt: skip
+        def probe(n, tick=tick, period=period):
+            return _probe(tick, period, n, fit, FLAGS.capacity_beats)
 
-            cap = 0
-            for n in range(1, 200):
-                if any(r["missed"] for r in probe(n)):
-                    break
-                cap = n
-            at = probe(cap) if cap else []
-            at16 = probe(16)
-            p50_16 = float(np.mean([r["p50_ms"] for r in at16]))
-            rows.append({
-                "kind": "capacity", "frames_per_tick": f, "per_beat_scales": per_beat_scales,
-                "beat_ms": period, "capacity": cap, "tick_ms_at_16": tick(16),
-                "tick_ms_at_capacity": tick(cap) if cap else None,
-                "p50_at_capacity_ms": float(np.mean([r["p50_ms"] for r in at])) if at else None,
-                "p99_at_capacity_ms": float(np.mean([r["p99_ms"] for r in at])) if at else None,
-                "p50_at_16_ms": p50_16, "input_to_output_p50_at_16_ms": period + p50_16,
-                "busy_gpu_s_per_conv_h_at_capacity": (
-                    float(np.mean([r["busy_gpu_s_per_conv_h"] for r in at])) if at else None),
-            })  # fmt: skip
-            logging.info("f=%d scales=%s capacity %d", f, per_beat_scales, cap)
+        cap = 0
+        for n in range(1, 200):
+            if any(r["missed"] for r in probe(n)):
+                break
+            cap = n
+        at = probe(cap) if cap else []
+        at16 = probe(16)
+        p50_16 = float(np.mean([r["p50_ms"] for r in at16]))
+        rows.append({
+            "kind": "capacity", "frames_per_tick": f, "per_beat_scales": per_beat_scales,
+            "beat_ms": period, "capacity": cap, "tick_ms_at_16": tick(16),
+            "tick_ms_at_capacity": tick(cap) if cap else None,
+            "p50_at_capacity_ms": float(np.mean([r["p50_ms"] for r in at])) if at else None,
+            "p99_at_capacity_ms": float(np.mean([r["p99_ms"] for r in at])) if at else None,
+            "p50_at_16_ms": p50_16, "input_to_output_p50_at_16_ms": period + p50_16,
+            "busy_gpu_s_per_conv_h_at_capacity": (
+                float(np.mean([r["busy_gpu_s_per_conv_h"] for r in at])) if at else None),
+        })  # fmt: skip
+        logging.info("f=%d scales=%s capacity %d", f, per_beat_scales, cap)
     return rows
 
 
@@ -159,9 +225,13 @@ def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
     caps = [r for r in sim_rows if r["kind"] == "capacity"]
     label = fits.fit_label(sim_rows)
-    for scales, mark in ((False, "o-"), (True, "s--")):
+    names = {False: "per-beat parts fixed", True: "per-beat parts ~ f",
+             None: "split measured (a line in f at 32 slots)"}  # fmt: skip
+    for scales, mark in ((False, "o-"), (True, "s--"), (None, "D-")):
         rs = [r for r in caps if r["per_beat_scales"] == scales]
-        lab = "per-beat parts ~ f" if scales else "per-beat parts fixed"
+        if not rs:
+            continue
+        lab = names[scales]
         ax[0].plot([r["input_to_output_p50_at_16_ms"] for r in rs], [r["capacity"] for r in rs],
                    mark, label=lab)  # fmt: skip
         for r in rs:
@@ -169,13 +239,22 @@ def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
                                                          r["capacity"]), fontsize=8)  # fmt: skip
     ax[0].set(xlabel="input-to-output p50 at 16 sessions (beat + tick) ms",
               ylabel="capacity at zero misses",
-              title=f"H200, simulated ({label}; not validated at f != 2)")  # fmt: skip
+              title=f"H200, simulated ({label})")  # fmt: skip
     ax[0].legend(fontsize=8)
     ticks = [r for r in engine_rows if r["kind"] == "tick"]
     for n in sorted({r["slots"] for r in ticks}):
         rs = sorted((r for r in ticks if r["slots"] == n), key=lambda r: r["frames_per_tick"])
         per_frame = [r["tick_ms"] / r["frames_per_tick"] for r in rs]
         ax[1].plot([r["frames_per_tick"] for r in rs], per_frame, "o-", label=f"B={n}")
+    split = next((r for r in sim_rows if r["kind"] == "split"), None)
+    if split:  # the line in f through the measured ticks, f = 2 from the scheduling experiments
+        f = np.array([p[0] for p in split["points"]], float)
+        grid = np.linspace(1, 4, 31)
+        ax[1].plot(f, [p[1] / p[0] for p in split["points"]], "kx", ms=8,
+                   label=f"B={split['slots']}: points of the split fit")  # fmt: skip
+        line = f"{split['per_beat_ms']:.1f} / f + {split['per_frame_ms']:.1f} ms"
+        ax[1].plot(grid, split["per_beat_ms"] / grid + split["per_frame_ms"], "k:", lw=1,
+                   label=line)  # fmt: skip
     model = engine_rows[0]["model"] if engine_rows else "?"
     dev = engine_rows[0]["device"] if engine_rows else "?"
     ax[1].set(xlabel="frames per tick", ylabel="tick ms per frame",
@@ -198,13 +277,24 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
                       f"p99 {r['p99_ms']:.1f} missed {r['missed_ticks']}/{r['steady_ticks']}, "
                       f"input-to-output p50 {r['input_to_output_p50_ms']:.0f} ms")  # fmt: skip
     if sim_rows:
-        print(f"simulated H200, fit to {fits.fit_label(sim_rows)} (not validated at f != 2)")
+        print(f"simulated H200, fit to {fits.fit_label(sim_rows)}")
         fits.print_validation(sim_rows)
+        for r in (r for r in sim_rows if r["kind"] == "split"):
+            pts = ", ".join(f"f={f} {t:.1f}" for f, t in r["points"])
+            print(f"  split at {r['slots']} slots: tick = {r['per_beat_ms']:.2f} + "
+                  f"{r['per_frame_ms']:.2f} f ms (per-beat share {r['share']:.1%} at f = 2; "
+                  f"points {pts}; max error {r['max_error']:.1%})")  # fmt: skip
+        for v in (r for r in sim_rows if r["kind"] == "serve_validation"):
+            print(f"  serve f={v['frames_per_tick']} {v['sessions']} sessions: real p50 "
+                  f"{v['real_p50_ms']:.1f} sim {v['sim_p50_ms']:.1f} ms "
+                  f"({100 * v['p50_error']:+.1f} %), p99 {v['real_p99_ms']:.1f} / "
+                  f"{v['sim_p99_ms']:.1f}")  # fmt: skip
         print(f"{'f':>2} {'per-beat':>9} {'beat':>5} {'cap':>4} {'tick@16':>8} {'p99@cap':>8} "
               f"{'in->out p50@16':>14}")  # fmt: skip
         for r in (r for r in sim_rows if r["kind"] == "capacity"):
             p99 = r["p99_at_capacity_ms"] or float("nan")
-            print(f"{r['frames_per_tick']:>2} {'~f' if r['per_beat_scales'] else 'fixed':>9} "
+            split = {None: "measured", False: "fixed", True: "~f"}[r["per_beat_scales"]]
+            print(f"{r['frames_per_tick']:>2} {split:>9} "
                   f"{r['beat_ms']:>5.0f} {r['capacity']:>4} {r['tick_ms_at_16']:>8.1f} "
                   f"{p99:>8.1f} {r['input_to_output_p50_at_16_ms']:>14.1f}")  # fmt: skip
 
@@ -212,6 +302,11 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
 def main(argv):
     del argv
     sim_out, plot_path = fits.sim_files(_HERE, "frames_per_tick")
+    if FLAGS.split == "measured":  # its own outputs beside the components split's
+        if FLAGS.sim_out is None:
+            sim_out = sim_out.replace(".jsonl", "_measured.jsonl")
+        if FLAGS.plot is None:
+            plot_path = plot_path.replace(".png", "_measured.png")
     er.run_parts(
         FLAGS.parts,
         out=FLAGS.out,
