@@ -433,14 +433,19 @@ def test_tick_check_on_the_committed_rows(tmp_path):
                    check=True, env=env, capture_output=True, timeout=120)  # fmt: skip
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     ticks = [r for r in rows if r["kind"] == "tick"]
-    assert {r["slots"] for r in ticks} == {1, 8, 16, 32}
+    assert {r["slots"] for r in ticks} == {1, 2, 4, 8, 16, 32}
     for r in ticks:
         if r["slots"] > 1:  # below the measured tick even with every cache full
             assert r["fit_full_ms"] < r["tick_ms"]
     (line,) = [r for r in rows if r["kind"] == "line"]
-    assert line["points"] == 12
+    assert line["points"] == 12  # the 2- and 4-slot ticks are checked, not fitted
     assert line["max_abs_error"] < 0.05
     assert 0.5 < line["slope_ms"] < 0.8
+    below = [r for r in rows if r["kind"] == "below_line"]
+    assert sorted(r["slots"] for r in below) == [2, 4]
+    for r in below:  # the line overstates them a little: all XLA there
+        assert 0.0 < r["error"] < 0.1
+        assert r["line_ms"] == pytest.approx(r["tick_ms"] * (1 + r["error"]))
 
 
 def test_fit_tick_line_puts_every_multi_slot_point_on_one_line_and_one_slot_apart():
@@ -449,13 +454,15 @@ def test_fit_tick_line_puts_every_multi_slot_point_on_one_line_and_one_slot_apar
     fit = sim.fit_capacity(_capacity_rows(a_ms=30.0, slope_ms=0.7), _COMPONENTS, config="xla_tts")
     engine_rows = [
         {"kind": "lockstep", "sessions": 1, "tick_ms": 36.0},
+        {"kind": "tick", "frames_per_tick": 3, "slots": 4, "tick_ms": 99.0},  # f = 3: not a point
+        {"kind": "tick", "frames_per_tick": 2, "slots": 4, "tick_ms": 50.0},  # below min_slots
         {"kind": "tick", "engine": "buckets", "slots": 8, "live": 8, "tick_ms": 2 * (30 + 5.6)},
         {"kind": "groups", "groups": 2, "group_slots": 16, "tick_ms": 2 * (30 + 11.2)},
         {"kind": "serve", "p50_ms": 99.0},  # no tick timed: not a point
     ]
     points = sim.measured_ticks(engine_rows)
-    assert [p["slots"] for p in points] == [1, 8, 16]
-    line = sim.fit_tick_line(fit, points)
+    assert [p["slots"] for p in points] == [1, 4, 8, 16]
+    line = sim.fit_tick_line(fit, points)  # the 4-slot point is off the fit (min_slots=8)
     assert line.tick_line
     assert not fit.tick_line  # the capacity fit is left as it was
     np.testing.assert_allclose(line.cost.a_ms, 30.0, rtol=1e-2)
@@ -466,6 +473,23 @@ def test_fit_tick_line_puts_every_multi_slot_point_on_one_line_and_one_slot_apar
     assert line.cost.tick_ms(1) == pytest.approx(30.7 + 18.0)
     assert line.cost.tick_ms(8, 0.0) == pytest.approx(line.cost.tick_ms(8, 1.0))
     assert (line.tail, line.host_each) == (fit.tail, fit.host_each)
+    assert line.cost.small_line is None  # one slot count below 8: the main line holds there
+
+
+def test_fit_tick_line_gives_the_small_engines_their_own_line():
+    # The same line from 8 slots up; all-XLA ticks at 2 and 4 slots on 25 + 0.5 B a frame-step.
+    fit = sim.fit_capacity(_capacity_rows(a_ms=30.0, slope_ms=0.7), _COMPONENTS, config="xla_tts")
+    engine_rows = [
+        {"kind": "tick", "engine": "buckets", "slots": 8, "live": 8, "tick_ms": 2 * (30 + 5.6)},
+        {"kind": "groups", "groups": 2, "group_slots": 16, "tick_ms": 2 * (30 + 11.2)},
+        {"kind": "tick", "frames_per_tick": 2, "slots": 2, "tick_ms": 2 * (25 + 1.0)},
+        {"kind": "tick", "frames_per_tick": 2, "slots": 4, "tick_ms": 2 * (25 + 2.0)},
+    ]
+    line = sim.fit_tick_line(fit, sim.measured_ticks(engine_rows))
+    np.testing.assert_allclose(line.cost.small_line, (25.0, 0.5, 8), rtol=1e-6)
+    assert line.cost.tick_ms(6) == pytest.approx(2 * (25 + 3.0))  # interpolated below 8
+    np.testing.assert_allclose(line.cost.tick_ms(8), 2 * (30 + 5.6), rtol=1e-2)  # the line at 8
+    np.testing.assert_allclose(line.cost.a_ms, 30.0, rtol=1e-2)  # the small ticks not fitted in
 
 
 def test_run_tick_line_names_its_outputs_and_needs_the_current_fit(tmp_path):

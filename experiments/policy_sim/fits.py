@@ -20,8 +20,13 @@ from absl import flags
 
 FLAGS = flags.FLAGS
 CAPACITY_ROWS = er.H200_PROFILE.parents[2] / "capacity/results/h200_reference.jsonl"
-TICK_ROWS = [er.H200_PROFILE.parents[2] / f"{e}/results/h200_voicechat_11b.jsonl"
-             for e in ("batching_policy", "slot_buckets", "phase_stagger")]  # fmt: skip
+# the scheduling experiments' H200 engine rows, and the 2- and 4-slot ticks (all XLA under
+# ``auto``) that frames_per_tick's script timed
+TICK_ROWS = [
+    *(er.H200_PROFILE.parents[2] / f"{e}/results/h200_voicechat_11b.jsonl"
+      for e in ("batching_policy", "slot_buckets", "phase_stagger")),
+    er.H200_PROFILE.parents[2] / "batching_policy/results/h200_small_ticks.jsonl",
+]  # fmt: skip
 
 
 def define_fit_flags(figure: str) -> None:

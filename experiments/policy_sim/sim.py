@@ -63,11 +63,17 @@ class StepCost:
     # a 1-slot engine's frame-step where it is another configuration off the line (``auto`` picks
     # all XLA at one slot; ``fit_tick_line``); None: the line holds there too
     one_slot_ms: float | None = None
+    # ``(a, s, below)``: the frame-step ``a + s*B`` of the engines of 2 to ``below - 1`` slots,
+    # another configuration again (``auto`` runs all XLA below 8 slots; ``fit_tick_line``, from
+    # their measured ticks); None: the line holds there too
+    small_line: tuple[float, float, int] | None = None
 
     def frame_step_ms(self, batch: float, context_frac: float = 1.0) -> float:
         """Device ms of one frame-step of ``batch`` slots at caches ``context_frac`` of 1500."""
         if self.one_slot_ms is not None and batch <= 1:
             return self.one_slot_ms
+        if self.small_line is not None and batch < self.small_line[2]:
+            return self.small_line[0] + self.small_line[1] * batch
         return self.a_ms + batch * (self.b_ms + self.c_ms * context_frac)
 
     def tick_ms(self, batch: float, context_frac: float = 1.0) -> float:
@@ -266,7 +272,7 @@ def simulate_lockstep(
     deadline_ms: float | None = None,
     max_inflight: int = 2,
     buckets: Sequence[int] | None = None,
-    context_frac: float = 1.0,
+    context_frac: float | Callable[[int], float] = 1.0,
     stalls: Sequence[tuple[int, float]] = (),
     device_ms: Callable[[int], float] | None = None,
     period_ms: float = BEAT_MS,
@@ -279,6 +285,8 @@ def simulate_lockstep(
       live: sessions live at tick ``k`` (a number, or a function of ``k``).
       slots: the compiled slot count; the tick costs ``t(slots)`` whatever is live, unless
         ``buckets`` are given (then ``t(smallest bucket >= live)``).
+      context_frac: the caches' fill, a share of 1500 frames (a number, or a function of ``k``:
+        tick ``k``'s mean fill over the compiled slots, free ones counting 0).
       stalls: ``(tick, ms)``: the host stalls this long right after dispatching ``tick``
         (hand-made cases); random stalls come from ``tail.stall_prob``.
       device_ms: overrides the device time of tick ``k`` (hand-made cases); no jitter then.
@@ -290,6 +298,7 @@ def simulate_lockstep(
     """
     rng = np.random.default_rng(0) if rng is None else rng
     live_at = (lambda k: live) if isinstance(live, int) else live
+    frac_at = context_frac if callable(context_frac) else (lambda k: context_frac)
     if deadline_ms is None:
         deadline_ms = period_ms
     clock_time = _SimTime()
@@ -332,7 +341,7 @@ def simulate_lockstep(
         if device_ms is not None:
             d = device_ms(k)
         else:
-            base = cost.tick_ms(batch, context_frac) if tick_cost is None else tick_cost(batch)
+            base = cost.tick_ms(batch, frac_at(k)) if tick_cost is None else tick_cost(batch)
             d = base + tail.draw_ms(batch, rng)
         if resize_ms is not None and bucket_now is not None and batch != bucket_now:
             d += resize_ms(bucket_now, batch)
@@ -720,7 +729,8 @@ def fit_capacity(
 
 def measured_ticks(rows: Sequence[dict]) -> list[dict]:
     """One point per back-to-back tick timed in the scheduling experiments' engine rows
-    (``batching_policy``, ``slot_buckets``, ``phase_stagger``): its source, slot count, tick ms."""
+    (``batching_policy``, ``slot_buckets``, ``phase_stagger``, and 2-frame ticks timed by
+    ``frames_per_tick``'s script): its source, slot count, tick ms."""
     out = []
     for r in rows:
         if r["kind"] == "lockstep":
@@ -734,6 +744,9 @@ def measured_ticks(rows: Sequence[dict]) -> list[dict]:
         elif r["kind"] == "groups":
             out.append({"row": f"phase_stagger {r['groups']} x {r['group_slots']}",
                         "slots": r["group_slots"], "tick_ms": r["tick_ms"]})  # fmt: skip
+        elif r["kind"] == "tick" and r.get("frames_per_tick") == 2:  # frames_per_tick's script
+            out.append({"row": f"{r['slots']}-slot tick", "slots": r["slots"],
+                        "tick_ms": r["tick_ms"]})  # fmt: skip
     return out
 
 
@@ -744,7 +757,10 @@ def fit_tick_line(fit: H200Fit, points: Sequence[dict], *, min_slots: int = 8) -
     ``min_slots`` slots (``measured_ticks``, caches nearly empty) and the fit's probes (every cache
     full): the multi-slot engine's tick barely depends on the fill (README here). A 1-slot engine
     is ``auto``'s all-XLA configuration, off that line: its frame-step is the mean of the 1-slot
-    points (``StepCost.one_slot_ms``). Tail and host models are kept.
+    points (``StepCost.one_slot_ms``). The engines of 2 to ``min_slots - 1`` slots (all XLA too
+    under ``auto``) get a line of their own through their points where two slot counts were
+    measured (``StepCost.small_line``); else the main line holds there. Tail and host models are
+    kept.
     """
     multi = [(p["slots"], p["tick_ms"] / 2) for p in points if p["slots"] >= min_slots]
     multi += [(B, y) for B, y in fit.step_points if B > 1]
@@ -752,7 +768,13 @@ def fit_tick_line(fit: H200Fit, points: Sequence[dict], *, min_slots: int = 8) -
     one += [p["tick_ms"] / 2 for p in points if p["slots"] == 1]
     B, y = zip(*multi, strict=True)
     line = fit_step_cost(B, y, context_share=0.0)
-    cost = dataclasses.replace(line, one_slot_ms=float(np.mean(one)) if one else None)
+    small = [(p["slots"], p["tick_ms"] / 2) for p in points if 1 < p["slots"] < min_slots]
+    small_line = None
+    if len({b for b, _ in small}) >= 2:
+        s, a = np.polyfit(*zip(*small, strict=True), 1)
+        small_line = (float(a), float(s), min_slots)
+    cost = dataclasses.replace(line, one_slot_ms=float(np.mean(one)) if one else None,
+                               small_line=small_line)  # fmt: skip
     return dataclasses.replace(fit, cost=cost, tick_line=True,
                                step_points=tuple(multi) + tuple((1, v) for v in one))  # fmt: skip
 

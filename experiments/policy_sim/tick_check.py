@@ -5,8 +5,10 @@ state and caches by the component rows' byte share. The engine parts of ``batchi
 ``slot_buckets`` and ``phase_stagger`` time ticks of 1-32 slots back to back with caches nearly
 empty. This script puts the two side by side (the fit at empty and at full caches), then fits one
 line through every multi-slot point, those ticks and the capacity probes alike
-(``sim.fit_tick_line``, the step cost ``--tick_line`` simulates with). Rows (JSON lines) to
-``--out``; a table last. README.md beside this file. Host only: no device is used.
+(``sim.fit_tick_line``, the step cost ``--tick_line`` simulates with). The 2- and 4-slot ticks
+(timed by ``frames_per_tick``'s script) lie below ``--min_slots``: checked against the line, not
+fitted. Rows (JSON lines) to ``--out``; a table last. README.md beside this file. Host only: no
+device is used.
 """
 
 from __future__ import annotations
@@ -44,11 +46,15 @@ def main(argv):
         rows.append({"kind": "tick", **p, "fit_empty_ms": cost.tick_ms(B, 0.0),
                      "fit_full_ms": cost.tick_ms(B, 1.0)})  # fmt: skip
     refit = sim.fit_tick_line(fit, points, min_slots=FLAGS.min_slots)
-    line = dataclasses.replace(refit.cost, one_slot_ms=None)  # the line alone, at 1 slot too
+    # the line alone, at 1-7 slots too
+    line = dataclasses.replace(refit.cost, one_slot_ms=None, small_line=None)
     B = [b for b, _ in refit.step_points if b > 1]
     for b, y in ((b, 2 * y) for b, y in refit.step_points if b > 1):
         rows.append({"kind": "line_point", "slots": b, "tick_ms": y,
                      "line_ms": line.tick_ms(b), "error": line.tick_ms(b) / y - 1})  # fmt: skip
+    for p in (p for p in points if 1 < p["slots"] < FLAGS.min_slots):  # off the fit: a check
+        rows.append({"kind": "below_line", **p, "line_ms": line.tick_ms(p["slots"]),
+                     "error": line.tick_ms(p["slots"]) / p["tick_ms"] - 1})  # fmt: skip
     rows.append(
         {
             "kind": "line",
@@ -57,6 +63,7 @@ def main(argv):
             "min_slots": FLAGS.min_slots,
             "points": len(B),
             "max_abs_error": max(abs(r["error"]) for r in rows if r["kind"] == "line_point"),
+            "small_line": refit.cost.small_line,
         }
     )
     if FLAGS.out:
@@ -72,6 +79,13 @@ def main(argv):
                 f"{r['row']:34s} {r['slots']:>3} {r['tick_ms']:6.1f} "
                 f"{r['fit_empty_ms']:6.1f} {e0:+5.0%} {r['fit_full_ms']:6.1f} {e1:+5.0%}"
             )
+    if refit.cost.small_line is not None:
+        a, s, below = refit.cost.small_line
+        print(f"  their own line (2-{below - 1} slots, as --tick_line simulates them): "
+              f"{a:.2f} + {s:.3f} B ms a frame-step")  # fmt: skip
+    for r in (r for r in rows if r["kind"] == "below_line"):
+        print(f"  {r['row']} ({r['slots']} slots, not fitted): {r['tick_ms']:.1f} ms, the line "
+              f"{r['line_ms']:.1f} ({r['error']:+.1%})")  # fmt: skip
     last = rows[-1]
     print(
         f"one line through {last['points']} points of >= {FLAGS.min_slots} slots: "
