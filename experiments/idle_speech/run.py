@@ -21,18 +21,22 @@ the current engine's ``experiments/capacity`` rows, ``sim.fit_capacity``; with
 ``--capacity_config=xla_tts`` the previous engine's, the README's history) or ``beat_profile``
 (the older engine's, ``sim.fit_h200``: the README's older history); the speech decoder's part
 comes from the beat_profile component rows under each (``--speech_cost``: as measured, or scaled
-to the fitted tick). Skipping a silent frame changes what the model computes
-(its speech-decoder context skips those frames): this measures cost, not quality.
+to the fitted tick), or from this experiment's own H200 engine rows (``--speech_cost=measured``:
+lines fitted to ``--speech_rows``, the copy from their compacted minus small step). Skipping a
+silent frame changes what the model computes (its speech-decoder context skips those frames): this
+measures cost, not quality.
 See README.md beside this file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
 import pathlib
 import sys
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,11 +65,17 @@ flags.DEFINE_list("sim_speaking", ["0.3", "0.5", "0.7", "1.0"], "Simulated speak
 flags.DEFINE_integer("seeds", 5, "Simulator seeds per capacity probe.")
 flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.")
 flags.DEFINE_enum(
-    "speech_cost", "components", ["components", "scaled"],
+    "speech_cost", "components", ["components", "scaled", "measured"],
     "The speech decoder's ms in the simulated tick: 'components' (the beat_profile component rows' "
-    "ms as measured) or 'scaled' (those ms times, at each B, the whole-tick fit over the sum of "
+    "ms as measured), 'scaled' (those ms times, at each B, the whole-tick fit over the sum of "
     "all components: the speech decoder's share of the component rows kept, as frames_per_tick "
-    "scales them).",
+    "scales them) or 'measured' (lines fitted to this experiment's H200 rows, --speech_rows: the "
+    "speech decoder's frame step and the codec through their small and full points, the "
+    "compaction's copy through compacted minus small; outputs named *_measured).",
+)  # fmt: skip
+flags.DEFINE_string(
+    "speech_rows", str(_HERE / "results/h200_voicechat_11b.jsonl"),
+    "This experiment's H200 engine rows (kind speech), for --speech_cost=measured.",
 )  # fmt: skip
 er.define_engine_flags()
 fits.define_fit_flags("idle_speech")
@@ -181,6 +191,106 @@ def lines(components: list[dict], names: tuple[str, ...]) -> tuple[float, float]
     return a, b
 
 
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(a, b)`` of the least-squares line ``a + b*x`` through ``(x, y)`` points.
+
+    The ys of a repeated x are averaged first, so that each x weighs the same (two points: the
+    line through them). A single x: the line through the origin and its mean.
+    """
+    by: dict[float, list[float]] = {}
+    for x, y in points:
+        by.setdefault(float(x), []).append(float(y))
+    xs = sorted(by)
+    ys = [float(np.mean(by[x])) for x in xs]
+    if len(xs) == 1:
+        return 0.0, ys[0] / xs[0]
+    slope, intercept = np.polyfit(xs, ys, 1)
+    return float(intercept), float(slope)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredSpeech:
+    """The speech decoder's ms fitted to this experiment's engine rows (``measured_speech``)."""
+
+    frame: tuple[float, float]  # ``tts_step``, ms per frame-step at n rows: a + b*n
+    codec: tuple[float, float]  # ``codec.decode_step``, ms per frame-step (half a beat's call)
+    copy: tuple[float, float]  # gather and scatter of k speakers' state, ms per frame-step: a + b*k
+
+    def copy_ms(self, k: int) -> float:
+        """The copy of ``k`` speakers per frame-step (the line, at least 0)."""
+        return max(0.0, self.copy[0] + self.copy[1] * k)
+
+
+def measured_speech(rows: Sequence[dict]) -> MeasuredSpeech:
+    """Lines through the ``speech`` rows' points: the frame step and the codec through the small
+    step at b rows and the full step at B; the copy through ``tts_compacted - tts_small`` at k
+    speakers (the codec's compacted step is measured no slower than its small one: no copy)."""
+    sp = [r for r in rows if r["kind"] == "speech"]
+    if not sp:
+        raise ValueError("no speech rows")
+    frame = fit_line([(r["bucket"], r["tts_small_ms"]) for r in sp]
+                     + [(r["slots"], r["tts_full_ms"]) for r in sp])  # fmt: skip
+    ca, cb = fit_line([(r["bucket"], r["codec_small_ms"]) for r in sp]
+                      + [(r["slots"], r["codec_full_ms"]) for r in sp])  # fmt: skip
+    copy = fit_line([(r["speaking"], r["tts_compacted_ms"] - r["tts_small_ms"]) for r in sp])
+    return MeasuredSpeech(frame=frame, codec=(ca / 2, cb / 2), copy=copy)
+
+
+def speech_checks(
+    rows: Sequence[dict],
+    frame: tuple[float, float],
+    codec: tuple[float, float],
+    copy_ms: Callable[[int], float],
+    model: str,
+) -> list[dict]:
+    """Each measured call of the ``speech`` rows against a model of it (``kind=speech_check``).
+
+    ``frame``: the frame step at n rows; ``codec``: the codec per frame-step (twice per call, a
+    beat); ``copy_ms(k)``: the compaction's copy of k speakers per frame-step. Masking is modelled
+    as the full step, the codec's compaction as its small step (no copy); ``tts_copy`` is
+    ``tts_compacted - tts_small``. ``rows``: the n each call is modelled at; error = model /
+    measured - 1.
+    """
+    out = []
+    for r in (r for r in rows if r["kind"] == "speech"):
+        B, k, b = r["slots"], r["speaking"], r["bucket"]
+        n = {"tts_full": B, "tts_masked": B, "tts_compacted": b, "tts_small": b, "tts_copy": k,
+             "codec_full": B, "codec_compacted": b, "codec_small": b}  # fmt: skip
+        model_ms = {c: frame[0] + frame[1] * n[c] for c in n if c.startswith("tts")}
+        model_ms["tts_compacted"] += copy_ms(k)
+        model_ms["tts_copy"] = copy_ms(k)
+        model_ms |= {c: 2 * (codec[0] + codec[1] * n[c]) for c in n if c.startswith("codec")}
+        measured = {c: r[f"{c}_ms"] for c in n if c != "tts_copy"}
+        measured["tts_copy"] = r["tts_compacted_ms"] - r["tts_small_ms"]
+        out += [{"kind": "speech_check", "model": model, "call": c, "slots": B, "speaking": k,
+                 "bucket": b, "rows": n[c], "measured_ms": measured[c], "model_ms": model_ms[c],
+                 "error": model_ms[c] / measured[c] - 1} for c in n]  # fmt: skip
+    return out
+
+
+def variant_tick_ms(
+    full_ms: float,
+    B: int,
+    share: float,
+    how: str,
+    speech_ms: Callable[[float], float],
+    copy_ms: Callable[[int], float],
+    scale: float = 1.0,
+) -> float:
+    """A tick of ``B`` slots with a ``share`` of them speaking, run ``how``.
+
+    ``masked``: the fitted tick ``full_ms``. ``compacted_index``: its speech part ``speech_ms(B)``
+    (ms per tick, times ``scale``) at ``k = ceil(share * B)`` rows instead. ``compacted_copy``: at
+    the power-of-two bucket ``b >= k``, plus ``copy_ms(k)`` (ms per tick) to gather and scatter.
+    """
+    if how == "masked":
+        return full_ms
+    k = max(1, math.ceil(share * B))
+    b = bucket(k, B) if how == "compacted_copy" else k
+    extra = copy_ms(k) if how == "compacted_copy" else 0.0
+    return full_ms - scale * speech_ms(B) + scale * speech_ms(b) + extra
+
+
 def sim_part() -> list[dict]:
     prof = er.read_rows(FLAGS.profile_rows)
     fit = fits.fit_models(prof)
@@ -195,26 +305,42 @@ def sim_part() -> list[dict]:
     tts_name = next(c for c, s in by if c.startswith("TTS backbone"))
     kv_bytes = (by[(tts_name, 32)] - by[(tts_name, 16)]) / 16  # a session's KV read per frame
     copy_tbps = float(np.mean([r["tbps"] for r in prof if r["kind"] == "copy"]))
+
+    def copy_bytes_ms(k: int) -> float:  # per tick: gather and scatter each read and write k KVs
+        return 2 * 4 * k * kv_bytes / (copy_tbps * 1e12) * 1e3
+
+    copy_ms = copy_bytes_ms  # the compaction's copy per tick (components, scaled)
+    measured: dict = {}
+    checks: list[dict] = []
+    if FLAGS.speech_cost == "measured":
+        engine = er.read_rows(FLAGS.speech_rows)
+        checks = speech_checks(engine, (fa, fb), (ca, cb), lambda k: copy_bytes_ms(k) / 2,
+                               "components")  # fmt: skip
+        m = measured_speech(engine)
+        checks += speech_checks(engine, m.frame, m.codec, m.copy_ms, "measured")
+        (fa, fb), (ca, cb) = m.frame, m.codec
+
+        def copy_ms(k: int) -> float:  # per tick: two frame-steps of the measured line
+            return 2 * m.copy_ms(k)
+
+        commits = sorted({r["commit"] for r in engine if r["kind"] == "speech"})
+        measured = {"copy_ms": list(m.copy),
+                    "speech_rows": os.path.relpath(FLAGS.speech_rows, _REPO),
+                    "speech_rows_commits": commits}  # fmt: skip
     rows = [{**fits.model_row(fit), "speech_cost": FLAGS.speech_cost, "speech_frame_ms": [fa, fb],
              "speech_beat_ms": [ca, cb], "components_ms": [ta, tb],
-             "tts_kv_bytes_per_session": kv_bytes, "copy_tbps": copy_tbps}]  # fmt: skip
+             "tts_kv_bytes_per_session": kv_bytes, "copy_tbps": copy_tbps, **measured}]  # fmt: skip
     rows += [{"kind": "validation", **v} for v in sim.validate(fit)]
+    rows += checks
 
     def speech_ms(n: float) -> float:  # per tick (2 frames): frame parts twice, codec per beat
         return 2 * (fa + fb * n) + 2 * (ca + cb * n)
 
     def tick(B: int, share: float, how: str) -> float:
         full = fit.cost.tick_ms(B)
-        if how == "masked":
-            return full
-        k = max(1, math.ceil(share * B))
-        b = bucket(k, B) if how == "compacted_copy" else k
-        extra = 0.0
-        if how == "compacted_copy":  # gather and scatter: each reads and writes k sessions' KV
-            extra = 2 * 4 * k * kv_bytes / (copy_tbps * 1e12) * 1e3  # two frames per tick
         # the components' ms as measured, or scaled so that they sum to the fitted tick at B
-        scale = 1.0 if FLAGS.speech_cost == "components" else full / (2 * (ta + tb * B))
-        return full - scale * speech_ms(B) + scale * speech_ms(b) + extra
+        scale = 1.0 if FLAGS.speech_cost != "scaled" else full / (2 * (ta + tb * B))
+        return variant_tick_ms(full, B, share, how, speech_ms, copy_ms, scale)
 
     for share in (float(x) for x in FLAGS.sim_speaking):
         for how in ("masked", "compacted_index", "compacted_copy"):
@@ -255,8 +381,9 @@ def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
     for v in dict.fromkeys(r["variant"] for r in caps):
         rs = [r for r in caps if r["variant"] == v]
         ax[0].plot([r["speaking"] for r in rs], [r["capacity"] for r in rs], "o-", label=v)
-    ax[0].set(xlabel="share of sessions whose agent speaks", ylabel="capacity at zero misses",
-              title=f"H200, simulated ({label}; speech ms: {speech})")  # fmt: skip
+    title = f"H200, simulated ({label}; speech ms: {speech})"
+    ax[0].set(xlabel="share of sessions whose agent speaks", ylabel="capacity at zero misses")
+    ax[0].set_title(title, fontsize=9 if len(title) > 70 else None)  # the tick line's is long
     ax[0].legend(fontsize=8)
     sp = [r for r in engine_rows if r["kind"] == "speech"]
     if sp:
@@ -289,15 +416,37 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
         print(f"simulated H200, fit to {fits.fit_label(sim_rows)}, speech cost "
               f"{m.get('speech_cost', 'components')}")  # fmt: skip
         fits.print_validation(sim_rows)
+        checks = [r for r in sim_rows if r["kind"] == "speech_check"]
+        if checks:
+            print("measured H200 calls (ms) against the component model and the measured lines")
+            print(f"{'call':>16} {'k':>3} {'n':>3} {'measured':>8} {'components':>10} {'error':>7} "
+                  f"{'lines':>6} {'error':>7}")  # fmt: skip
+            by = {(r["model"], r["call"], r["speaking"]): r for r in checks}
+            for r in (r for r in checks if r["model"] == "components"):
+                m = by[("measured", r["call"], r["speaking"])]
+                print(f"{r['call']:>16} {r['speaking']:>3} {r['rows']:>3} {r['measured_ms']:>8.2f} "
+                      f"{r['model_ms']:>10.2f} {100 * r['error']:>+6.1f}% {m['model_ms']:>6.2f} "
+                      f"{100 * m['error']:>+6.1f}%")  # fmt: skip
         print("capacity at zero misses")
         for r in (r for r in sim_rows if r["kind"] == "capacity"):
             print(f"speaking {r['speaking']:.1f} {r['variant']:>16}: {r['capacity']:>4} "
                   f"(tick at 32: {r['tick_ms_at_32']:.1f} ms)")  # fmt: skip
 
 
+def measured_name(path: str) -> str:
+    """``path`` with ``_measured`` before its suffix (the outputs of ``--speech_cost=measured``)."""
+    p = pathlib.Path(path)
+    return str(p.with_name(f"{p.stem}_measured{p.suffix}"))
+
+
 def main(argv):
     del argv
     sim_out, plot_path = fits.sim_files(_HERE, "idle_speech")
+    if FLAGS.speech_cost == "measured":  # the fit's names with _measured, where not given
+        if FLAGS.sim_out is None:
+            sim_out = measured_name(sim_out)
+        if FLAGS.plot is None:
+            plot_path = measured_name(plot_path)
     er.run_parts(
         FLAGS.parts,
         out=FLAGS.out,
