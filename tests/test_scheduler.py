@@ -387,6 +387,37 @@ def test_queued_session_is_admitted_when_a_slot_frees(engine):
     assert server.logs["c"].arrays()["text"].size == 3 * 2
 
 
+def test_a_caller_who_hangs_up_in_the_queue_holds_no_place(engine):
+    """A scripted caller whose leave comes while it waits is refused then (it never takes a slot),
+    and the queue forgets it: a later caller gets the free slot at once, with no one ahead."""
+    plans = [
+        SessionPlan(id="a", audio=_speech(1, 1), join=0, leave=4),
+        SessionPlan(id="b", audio=_speech(1, 2), join=0),
+        SessionPlan(id="c", audio=_speech(1, 3), join=1, leave=3),  # hangs up while it waits
+        SessionPlan(id="d", audio=_speech(1, 4), join=5),  # a's slot is free since beat 4
+    ]
+    policy = sched.AdmissionControl(sched.Lockstep(), queue_beats=10)
+    server = _serve(engine, plans, 7, policy)
+    assert "session c left while waiting for a slot" in server.failures["c"]
+    assert server.slots.session("d").admitted_tick == 5
+    events = server.metrics.summary()["events"]
+    assert (events["admitted"], events.get("refused", 0)) == (3, 0)  # c left; nobody refused
+    assert (policy.queued, policy.waited_beats) == (1, 2)  # c waited at beats 1 and 2
+    assert "c" not in {s.id for s in server.slots.sessions()}
+
+
+def test_withdraw_forgets_a_waiting_session():
+    table = SlotTable(1)
+    policy = sched.AdmissionControl(sched.Lockstep(), queue_beats=5)
+    policy.admit(table, "a", tick=0)
+    assert policy.admit(table, "b", tick=0) is None
+    policy.withdraw("b")
+    table.release("a")
+    assert policy.admit(table, "c", tick=1) == 0  # no one ahead of c any more
+    sched.Lockstep().withdraw("x")  # policies with no queue: nothing to forget
+    sched.SlotBuckets((1, 2)).withdraw("x")
+
+
 def test_network_session_waits_in_the_queue_then_is_admitted(engine):
     """A hub (network) session that finds the slots full waits: its future resolves with a slot
     once one frees; one still waiting when the run ends is refused, not left hanging."""

@@ -112,7 +112,10 @@ class ScriptedSessions:
                 self._by_leave.setdefault(plan.leave, []).append(plan)
 
     def leaves(self, tick: int) -> list[Leave]:
-        return [Leave(p.id) for p in self._by_leave.pop(tick, ()) if p.id in self._live]
+        """Plans leaving at ``tick``: live ones, and those still waiting for a slot (they hang up
+        in the queue, and the server refuses them)."""
+        return [Leave(p.id) for p in self._by_leave.pop(tick, ())
+                if p.id in self._live or p.id in self._plans]  # fmt: skip
 
     def joins(self, tick: int) -> list[Join]:
         plans = self._by_join.pop(tick, ())

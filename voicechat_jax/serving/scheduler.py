@@ -105,6 +105,10 @@ class Scheduler(Protocol):
         again next beat). Raises ``CapacityError`` when it is refused (recorded in ``slots``)."""
         ...
 
+    def withdraw(self, session_id: SessionId) -> None:
+        """``session_id``, made to wait by ``admit``, left before it got a slot: forget it."""
+        ...
+
     def plan(self, tick: int, slots: SlotTable, queues: InputQueues) -> BeatPlan:
         """The plan of beat ``tick``, after this beat's leaves, joins and client input."""
         ...
@@ -122,6 +126,9 @@ class Lockstep:
 
     def admit(self, slots: SlotTable, session_id: SessionId, *, tick: int, source: str = "") -> int:
         return slots.admit(session_id, tick=tick, source=source)
+
+    def withdraw(self, session_id: SessionId) -> None:
+        del session_id  # nobody waits: admit answers at once
 
     def plan(self, tick: int, slots: SlotTable, queues: InputQueues) -> BeatPlan:
         del tick, queues
@@ -231,6 +238,9 @@ class SlotBuckets:
     def admit(self, slots: SlotTable, session_id: SessionId, *, tick: int, source: str = "") -> int:
         return slots.admit(session_id, tick=tick, source=source)
 
+    def withdraw(self, session_id: SessionId) -> None:
+        del session_id  # nobody waits: admit answers at once
+
     def plan(self, tick: int, slots: SlotTable, queues: InputQueues) -> BeatPlan:
         del tick, queues
         if slots.n_slots != self._buckets[-1]:
@@ -313,6 +323,11 @@ class AdmissionControl:
             message=f"server full: {len(slots)} sessions live (limit {limit}); "
             f"session {session_id} refused{waited}",
         )
+
+    def withdraw(self, session_id: SessionId) -> None:
+        """A waiting session that left no longer holds its place: those behind it move up."""
+        self._first_asked.pop(session_id, None)
+        self.inner.withdraw(session_id)
 
     def plan(self, tick: int, slots: SlotTable, queues: InputQueues) -> BeatPlan:
         return self.inner.plan(tick, slots, queues)

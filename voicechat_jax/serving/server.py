@@ -424,6 +424,7 @@ class Server:
             for join in joins:
                 try:
                     if join.id in leaving:  # it left while it waited
+                        self.scheduler.withdraw(join.id)
                         raise CapacityError(f"session {join.id} left while waiting for a slot")
                     slot = self.scheduler.admit(self.slots, join.id, tick=k, source=join.source)
                 except CapacityError as e:
