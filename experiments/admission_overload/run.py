@@ -12,7 +12,12 @@ session-beats per beat: calls served on time, on average).
 
 Engine part (``--parts=engine``; tiny on the CPU for smoke rows, ``--model=voicechat_11b`` on the
 H200): the server with ``AdmissionControl`` under a scripted burst of more calls than slots, refuse
-against queue: refused, waited, missed beats. See README.md beside this file.
+against queue: refused, waited, missed beats.
+
+The sim part also checks the simulator against the measured H200 burst rows (``--burst_rows``):
+the same burst replayed through the server's admission and ``sim.admit_calls``, then served by
+the dispatch loop on the current fit (``burst_replay.py``; kinds ``burst_admission`` and
+``burst_validation``). See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ sys.path.insert(0, str(_HERE.parent / "policy_sim"))
 import engine_runs as er  # noqa: E402
 import fits  # noqa: E402
 import sim  # noqa: E402
+
+sys.path.insert(0, str(_HERE))
+import burst_replay as br  # noqa: E402
 
 from voicechat_jax.engine import Engine  # noqa: E402
 from voicechat_jax.serving import scheduler as sched  # noqa: E402
@@ -56,6 +64,11 @@ flags.DEFINE_list("max_live", ["40", "50", "56", "64"], "Admission thresholds (l
 flags.DEFINE_list("queue_s", ["0", "10", "30"], "Queue timeouts in seconds (0: refuse at once).")
 flags.DEFINE_float("mean_call_s", 60.0, "Mean call length (exponential), seconds ...")
 flags.DEFINE_float("max_call_s", 120.0, "... cut at the context cap.")
+flags.DEFINE_string(
+    "burst_rows", str(_HERE / "results/h200_voicechat_11b.jsonl"),
+    "Sim part, current fit: measured burst rows (kind 'burst') the simulator is checked against "
+    "('' or a missing file: no check).",
+)  # fmt: skip
 er.define_engine_flags()
 fits.define_fit_flags("admission_overload")
 
@@ -64,13 +77,10 @@ fits.define_fit_flags("admission_overload")
 
 
 def burst_plans(spb: int) -> list[SessionPlan]:
-    rng = np.random.default_rng(5)
-    plans = []
-    for i in range(FLAGS.burst):
-        join = int(rng.integers(0, FLAGS.burst_beats))
-        leave = join + 1 + int(rng.exponential(FLAGS.mean_call_beats))
-        plans.append(SessionPlan(id=f"b{i:03d}", audio=er.speech((leave - join) * spb, i),
-                                 join=join, leave=leave))  # fmt: skip
+    """The burst's scripted calls (``br.burst_schedule``), ``spb`` audio samples a beat, by join."""
+    schedule = br.burst_schedule(FLAGS.burst, FLAGS.burst_beats, FLAGS.mean_call_beats)
+    plans = [SessionPlan(id=f"b{i:03d}", audio=er.speech((leave - join) * spb, i), join=join,
+                         leave=leave) for i, (join, leave) in enumerate(schedule)]  # fmt: skip
     return sorted(plans, key=lambda p: p.join)
 
 
@@ -86,6 +96,8 @@ def engine_part(rows: list[dict]) -> None:
         waits = [server.slots.session(p.id).admitted_tick - p.join
                  for p in plans if p.id in {s.id for s in server.slots.sessions()}]  # fmt: skip
         rows.append({**base, "kind": "burst", "queue_beats": q, "offered": len(plans),
+                     "burst_beats": FLAGS.burst_beats, "mean_call_beats": FLAGS.mean_call_beats,
+                     "ticks": FLAGS.ticks,
                      "refused": server.slots.refused, "queued": policy.queued,
                      "waited_beats": policy.waited_beats, "live_at_end_waits": waits,
                      **row})  # fmt: skip
@@ -114,9 +126,100 @@ def patterns(rng_seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+# The simulated cases the burst rows are checked against: (name, fit, step cost at the fill).
+BURST_CASES = (("auto_fill", "auto", True), ("auto_full", "auto", False),
+               ("tick_line", "line", False))  # fmt: skip
+
+
+def current_fits(fit: sim.H200Fit) -> dict[str, sim.H200Fit]:
+    """The current engine's two step costs: ``auto`` (``sim.fit_capacity``, the auto kernels'
+    capacity rows) and ``line`` (``sim.fit_tick_line`` through ``--tick_rows``), from ``fit`` (one
+    of them) and the flags' rows."""
+    if fit.tick_line:
+        profile = er.read_rows(FLAGS.profile_rows)
+        auto = sim.fit_capacity(
+            er.read_rows(FLAGS.capacity_rows),
+            [r for r in profile if r["kind"] == "component"],
+            config="auto",
+        )
+        return {"auto": auto, "line": fit}  # fmt: skip
+    points = [p for path in FLAGS.tick_rows for p in sim.measured_ticks(er.read_rows(path))]
+    return {"auto": fit, "line": sim.fit_tick_line(fit, points)}
+
+
+def burst_check(fit: sim.H200Fit) -> list[dict]:
+    """The measured burst rows (``--burst_rows``) against the replay and the simulator.
+
+    Per row: one ``burst_admission`` row (the engine's counts; those of ``br.replay_burst``, the
+    server's admission replayed; those of ``sim.admit_calls`` with the beat as time unit; the
+    replayed live count and cache fill), and one ``burst_validation`` row per ``BURST_CASES``
+    (the dispatch loop on the replayed live count: step cost at each beat's mean fill or at full
+    caches, the fit's host overhead and jitter; the mean of 5 seeds). Only for the current fit
+    (``--fit=capacity --capacity_config=auto``): the rows are of the current engine.
+    """
+    path = FLAGS.burst_rows
+    if (FLAGS.fit, FLAGS.capacity_config) != ("capacity", "auto") or not path:
+        return []
+    if not os.path.exists(path):
+        logging.info("no burst rows at %s: the burst check is skipped", path)
+        return []
+    measured = [r for r in er.read_rows(path) if r.get("kind") == "burst"]
+    if not measured:
+        return []
+    fitted = current_fits(fit)
+    out = []
+    for r in measured:
+        setup = {k: r.get(k, v) for k, v in br.FIRST_ROWS_SETUP.items()}
+        ticks, q, slots = setup["ticks"], r["queue_beats"], r["slots"]
+        warmup = ticks - r["steady_ticks"]
+        schedule = br.burst_schedule(r["offered"], setup["burst_beats"], setup["mean_call_beats"])
+        rep = br.replay_burst(schedule, slots=slots, queue_beats=q, ticks=ticks,
+                              frames_per_tick=r["frames_per_tick"],
+                              context_frames=r["context_frames"])  # fmt: skip
+        engine = {"refused": r["refused"], "queued": r["queued"], "waited_beats": r["waited_beats"],
+                  "admitted": r["events"].get("admitted", 0), "ended": r["events"].get("ended", 0),
+                  "session_beats": r["session_beats"],
+                  "live_at_end_waits": sorted(r["live_at_end_waits"])}  # fmt: skip
+        replay = {"refused": rep.refused, "queued": rep.queued, "waited_beats": rep.waited_beats,
+                  "admitted": rep.admitted, "ended": rep.ended,
+                  "session_beats": rep.session_beats(warmup),
+                  "live_at_end_waits": rep.live_at_end_waits}  # fmt: skip
+        calls = br.admit_calls_counts(schedule, slots=slots, queue_beats=q, ticks=ticks,
+                                      warmup=warmup)  # fmt: skip
+        steady = slice(warmup, ticks)
+        base = {"queue_beats": q, "slots": slots, "offered": r["offered"], "commit": r["commit"],
+                "device": r["device"], "burst_beats": setup["burst_beats"],
+                "mean_call_beats": setup["mean_call_beats"], "run_ticks": ticks,
+                "ticks": r["steady_ticks"]}  # fmt: skip
+        out.append({
+            "kind": "burst_admission", **base, "engine": engine, "replay": replay,
+            "admit_calls": calls, "replay_matches": replay == engine,
+            "admit_calls_matches": all(calls[k] == engine[k] for k in calls),
+            "real_late_frac": r["missed_session_beats"] / max(r["session_beats"], 1),
+            "mean_live": float(rep.live[steady].mean()),
+            "mean_fill_frames": float(rep.fill_frames[steady].mean()),
+            "max_fill_frames": float(rep.fill_frames[steady].max()),
+        })  # fmt: skip
+        for case, which, fill in BURST_CASES:
+            f = fitted[which]
+            s = br.simulate_burst(f, rep, slots=slots, warmup=warmup, fill=fill)
+            out.append({
+                "kind": "burst_validation", **base, "case": case, "host_ms": f.tail.host_ms,
+                "real_p50_ms": r["p50_ms"], "sim_p50_ms": s["sim_p50_ms"],
+                "p50_error": s["sim_p50_ms"] / r["p50_ms"] - 1,
+                "real_p99_ms": r["p99_ms"], "sim_p99_ms": s["sim_p99_ms"],
+                "p99_error": s["sim_p99_ms"] / r["p99_ms"] - 1,
+                "real_max_ms": r["max_ms"], "sim_max_ms": s["sim_max_ms"],
+                "real_missed": r["missed_ticks"], "sim_missed": s["sim_missed"],
+                "sim_late_frac": s["sim_late_frac"],
+            })  # fmt: skip
+    return out
+
+
 def sim_part() -> list[dict]:
     fit = fits.fit_models(er.read_rows(FLAGS.profile_rows))
     rows = [fits.model_row(fit)] + [{"kind": "validation", **v} for v in sim.validate(fit)]
+    rows += burst_check(fit)
     n_beats = int(FLAGS.span_s * 1e3 / sim.BEAT_MS)
     for name, arr in patterns(11).items():
         dur = np.minimum(np.random.default_rng(12).exponential(FLAGS.mean_call_s, arr.size),
@@ -155,10 +258,12 @@ def plot(sim_rows: list[dict], path: str) -> None:
 
     pol = [r for r in sim_rows if r["kind"] == "policy"]
     names = list(dict.fromkeys(r["pattern"] for r in pol))
-    fig, ax = plt.subplots(1, len(names), figsize=(4 * len(names), 4), squeeze=False, sharey=True)
+    burst = [r for r in sim_rows if r["kind"] == "burst_admission"]
+    n = len(names) + bool(burst)
+    fig, ax = plt.subplots(1, n, figsize=(4 * n, 4), squeeze=False, sharey=True)
     # per cent late, on one symlog axis from 0 for every panel (most points are exactly 0)
     top = max([0.01, *(2 * 100 * r["late_frac"] for r in pol)])
-    for a, name in zip(ax[0], names, strict=True):
+    for a, name in zip(ax[0][: len(names)], names, strict=True):
         for q in sorted({r["queue_s"] for r in pol}):
             rs = sorted((r for r in pol if r["pattern"] == name and r["queue_s"] == q),
                         key=lambda r: r["max_live"])  # fmt: skip
@@ -171,11 +276,57 @@ def plot(sim_rows: list[dict], path: str) -> None:
         a.set_yscale("symlog", linthresh=1e-3)
         a.set_ylim(0, top)
         a.legend(fontsize=7)
+    if burst:
+        plot_burst(ax[0][-1], burst, [r for r in sim_rows if r["kind"] == "burst_validation"])
     ax[0][0].set_ylabel("admitted session-beats late, %")
     label = fits.fit_label(sim_rows)
-    fig.suptitle(f"H200, simulated ({label}): labels are the admission threshold")
+    what = "; last panel: the measured burst, simulated too" if burst else ""
+    fig.suptitle(f"H200, simulated ({label}): labels are the admission threshold{what}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot_burst(a, admission: list[dict], validation: list[dict]) -> None:
+    """The measured burst rows on the policy panels' axes (labels: the queue in beats), and the
+    simulator's (``sim.admit_calls`` refusals, late session-beats of each ``BURST_CASES``)."""
+    r0 = admission[0]
+    for r in admission:
+        x = r["engine"]["refused"] / r["offered"]
+        a.plot([x], [100 * r["real_late_frac"]], "k*", ms=11,
+               label="measured (q: queue, beats)" if r is r0 else None)  # fmt: skip
+        a.annotate(f"q {r['queue_beats']}", (x, 100 * r["real_late_frac"]), fontsize=7,
+                   xytext=(4, 6), textcoords="offset points")  # fmt: skip
+    for (case, _, _), m in zip(BURST_CASES, "sDv", strict=True):
+        rs = [(a_, v) for a_ in admission for v in validation
+              if v["case"] == case and v["queue_beats"] == a_["queue_beats"]]  # fmt: skip
+        a.plot([a_["admit_calls"]["refused"] / a_["offered"] for a_, _ in rs],
+               [100 * v["sim_late_frac"] for _, v in rs], m, mfc="none",
+               label=f"simulated, {case}")  # fmt: skip
+    a.set(xlabel="calls refused (fraction)",
+          title=f"H200 burst: {r0['offered']} calls in {r0['burst_beats']} beats, "
+                f"{r0['slots']} slots")  # fmt: skip
+    a.set_yscale("symlog", linthresh=1e-3)
+    a.set_xlim(0, 1.25 * max(r["engine"]["refused"] / r["offered"] for r in admission))
+    a.legend(fontsize=7, loc="upper left")
+
+
+def print_burst_check(sim_rows: list[dict]) -> None:
+    """The ``burst_admission`` and ``burst_validation`` rows, one line each."""
+
+    def counts(d: dict) -> str:
+        return " / ".join(str(d[k]) for k in ("refused", "queued", "waited_beats", "session_beats"))
+
+    for r in (r for r in sim_rows if r["kind"] == "burst_admission"):
+        print(f"  burst, queue {r['queue_beats']} beats ({r['device']}, {r['commit']}): refused / "
+              f"queued / waited / session-beats: engine {counts(r['engine'])}, replay "
+              f"{counts(r['replay'])}, admit_calls {counts(r['admit_calls'])}; mean live "
+              f"{r['mean_live']:.1f}, mean fill {r['mean_fill_frames']:.1f} frames")  # fmt: skip
+    for r in (r for r in sim_rows if r["kind"] == "burst_validation"):
+        print(f"  burst, queue {r['queue_beats']:>2} beats, {r['case']:>9}: p50 real "
+              f"{r['real_p50_ms']:.1f} sim {r['sim_p50_ms']:.1f} ms "
+              f"({100 * r['p50_error']:+.1f} %), p99 {r['real_p99_ms']:.1f} / "
+              f"{r['sim_p99_ms']:.1f} ({100 * r['p99_error']:+.1f} %), missed "
+              f"{r['real_missed']} / {r['sim_missed']:g} of {r['ticks']}")  # fmt: skip
 
 
 def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
@@ -189,6 +340,7 @@ def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
     if sim_rows:
         print(f"simulated H200, fit to {fits.fit_label(sim_rows)}")
         fits.print_validation(sim_rows)
+        print_burst_check(sim_rows)
         print(f"{'pattern':>18} {'max':>4} {'queue':>5} {'refused':>8} {'wait p99':>8} "
               f"{'late':>8} {'goodput':>7}")  # fmt: skip
         for r in (r for r in sim_rows if r["kind"] == "policy"):
