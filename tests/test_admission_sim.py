@@ -59,12 +59,20 @@ def test_replay_queue_by_hand():
     np.testing.assert_allclose(queued.fill_frames[3:6], [(6 + 0) / 2, (8 + 2) / 2, 4 / 2])
 
 
-def test_replay_never_releases_a_call_admitted_after_its_leave():
-    # One slot; call 1 (leave 2) waits until call 0 leaves before beat 3, is admitted at 3, and
-    # its scripted leave (beat 2) has passed: the server never releases it within the run.
+def test_replay_of_a_call_whose_leave_comes_while_it_waits():
+    # One slot; call 1 (leave 2) waits from beat 0. Today's server withdraws it at beat 2, before
+    # it is asked again: refused then (not counted in ``refused``), its two waited beats kept.
     rep = br.replay_burst([(0, 3), (0, 2)], slots=1, queue_beats=5, ticks=6)
+    assert rep.admitted_at == {0: 0}
+    assert (rep.withdrawn, rep.refused, rep.queued, rep.waited_beats) == (1, 0, 1, 2)
+    np.testing.assert_array_equal(rep.live, [1, 1, 1, 0, 0, 0])
+    # The server of the H200 rows (b7b4b9a) dropped that leave: call 1 took call 0's slot at
+    # beat 3 and was never released within the run.
+    rep = br.replay_burst([(0, 3), (0, 2)], slots=1, queue_beats=5, ticks=6,
+                          withdraw_at_leave=False)  # fmt: skip
     assert rep.admitted_at == {0: 0, 1: 3}
     assert rep.ended_at == {0: 3}
+    assert rep.withdrawn == 0
     np.testing.assert_array_equal(rep.live, [1, 1, 1, 1, 1, 1])
     assert rep.live_at_end_waits == [3]
     # sim.admit_calls lets the call last its 2 beats from its admission instead
@@ -96,7 +104,8 @@ def test_replay_reproduces_the_h200_rows():
         schedule = br.burst_schedule(r["offered"], setup["burst_beats"], setup["mean_call_beats"])
         warmup = setup["ticks"] - r["steady_ticks"]
         rep = br.replay_burst(schedule, slots=r["slots"], queue_beats=r["queue_beats"],
-                              ticks=setup["ticks"])  # fmt: skip
+                              ticks=setup["ticks"],
+                              withdraw_at_leave=r.get("withdraw_at_leave", False))  # fmt: skip
         assert (rep.refused, rep.queued, rep.waited_beats) == (
             r["refused"], r["queued"], r["waited_beats"]
         )  # fmt: skip

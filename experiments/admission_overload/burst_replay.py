@@ -57,6 +57,7 @@ class BurstReplay:
     live: np.ndarray  # [ticks] sessions live at each beat
     fill_frames: np.ndarray  # [ticks] mean cache fill over the slots, frames (free slots: 0)
     live_at_end_waits: list[int]  # admitted beat - join beat of each call live at the end
+    withdrawn: int = 0  # calls whose leave came while they waited (refused then: a failure)
 
     @property
     def admitted(self) -> int:
@@ -104,8 +105,14 @@ def replay_burst(
     ticks: int,
     frames_per_tick: int = FRAMES_PER_TICK,
     context_frames: int = sim.CAP_FRAMES,
+    withdraw_at_leave: bool = True,
 ) -> BurstReplay:
     """The server's admission of ``schedule`` (``burst_schedule``), beat by beat.
+
+    ``withdraw_at_leave``: the server's rule since the H200 rows (a call whose leave comes while
+    it waits is refused at that beat and gives up its place in the queue); False: the rule of
+    ``b7b4b9a``, the rows' commit (its leave was dropped, and it was admitted later and held its
+    slot to the end of the run).
 
     As ``Server.prepare`` with ``ScriptedSessions`` and ``AdmissionControl(Lockstep(),
     queue_beats=)`` (every slot is the limit): before beat ``k`` the calls whose scripted leave is
@@ -113,9 +120,8 @@ def replay_burst(
     at ``k`` (in the order of the schedule sorted by join beat) are asked in turn: admitted if a
     slot is free and no one asked earlier is still waiting, else they wait until ``queue_beats``
     beats have passed since they first asked and are refused then. A call leaves at its scripted
-    beat whenever it was admitted; one admitted at or after that beat is never released within
-    the run (``ScriptedSessions.leaves`` dropped a leave of a call not live at ``b7b4b9a``, the
-    commit of the H200 rows; the server now refuses such a call at its leave). Every beat is assumed
+    beat whenever it was admitted (with ``withdraw_at_leave=False``, one admitted at or after that
+    beat is never released within the run). Every beat is assumed
     to run (no beat skipped: a skipped beat's joins would be lost). The server releases a call at
     the context cap, some beats after the writer sees it there; that is not modelled, so a run
     long enough for a call to reach the cap (``ticks * frames_per_tick > context_frames``) is
@@ -137,12 +143,16 @@ def replay_burst(
     ended_at: dict[int, int] = {}
     first_asked: dict[int, int] = {}
     waiting: list[int] = []
-    refused = queued = waited = 0
+    refused = queued = waited = withdrawn = 0
     for k in range(ticks):
         for i in by_leave.pop(k, ()):
             if i in live:
                 del live[i]
                 ended_at[i] = k
+            elif withdraw_at_leave and i in waiting:  # hung up in the queue
+                waiting.remove(i)
+                del first_asked[i]
+                withdrawn += 1
         asking, waiting = [*waiting, *by_join.get(k, ())], []
         for i in asking:
             first = first_asked.get(i)
@@ -174,6 +184,7 @@ def replay_burst(
         live=live_k,
         fill_frames=fill,
         live_at_end_waits=sorted(admitted_at[i] - schedule[i][0] for i in live),
+        withdrawn=withdrawn,
     )
 
 

@@ -97,7 +97,7 @@ def engine_part(rows: list[dict]) -> None:
                  for p in plans if p.id in {s.id for s in server.slots.sessions()}]  # fmt: skip
         rows.append({**base, "kind": "burst", "queue_beats": q, "offered": len(plans),
                      "burst_beats": FLAGS.burst_beats, "mean_call_beats": FLAGS.mean_call_beats,
-                     "ticks": FLAGS.ticks,
+                     "ticks": FLAGS.ticks, "withdraw_at_leave": True,
                      "refused": server.slots.refused, "queued": policy.queued,
                      "waited_beats": policy.waited_beats, "live_at_end_waits": waits,
                      **row})  # fmt: skip
@@ -173,9 +173,17 @@ def burst_check(fit: sim.H200Fit) -> list[dict]:
         ticks, q, slots = setup["ticks"], r["queue_beats"], r["slots"]
         warmup = ticks - r["steady_ticks"]
         schedule = br.burst_schedule(r["offered"], setup["burst_beats"], setup["mean_call_beats"])
-        rep = br.replay_burst(schedule, slots=slots, queue_beats=q, ticks=ticks,
-                              frames_per_tick=r["frames_per_tick"],
-                              context_frames=r["context_frames"])  # fmt: skip
+        shape = {
+            "slots": slots,
+            "queue_beats": q,
+            "ticks": ticks,
+            "frames_per_tick": r["frames_per_tick"],
+            "context_frames": r["context_frames"],
+        }
+        # the rule of the rows' server (rows without the field: before the withdrawal existed)
+        rep = br.replay_burst(schedule, **shape,
+                              withdraw_at_leave=r.get("withdraw_at_leave", False))  # fmt: skip
+        now = br.replay_burst(schedule, **shape)  # the server's rule today
         engine = {"refused": r["refused"], "queued": r["queued"], "waited_beats": r["waited_beats"],
                   "admitted": r["events"].get("admitted", 0), "ended": r["events"].get("ended", 0),
                   "session_beats": r["session_beats"],
@@ -184,6 +192,9 @@ def burst_check(fit: sim.H200Fit) -> list[dict]:
                   "admitted": rep.admitted, "ended": rep.ended,
                   "session_beats": rep.session_beats(warmup),
                   "live_at_end_waits": rep.live_at_end_waits}  # fmt: skip
+        current = {"refused": now.refused, "withdrawn": now.withdrawn, "queued": now.queued,
+                   "waited_beats": now.waited_beats, "admitted": now.admitted,
+                   "session_beats": now.session_beats(warmup)}  # fmt: skip
         calls = br.admit_calls_counts(schedule, slots=slots, queue_beats=q, ticks=ticks,
                                       warmup=warmup)  # fmt: skip
         steady = slice(warmup, ticks)
@@ -194,6 +205,7 @@ def burst_check(fit: sim.H200Fit) -> list[dict]:
         out.append({
             "kind": "burst_admission", **base, "engine": engine, "replay": replay,
             "admit_calls": calls, "replay_matches": replay == engine,
+            "replay_current_rule": current,
             "admit_calls_matches": all(calls[k] == engine[k] for k in calls),
             "real_late_frac": r["missed_session_beats"] / max(r["session_beats"], 1),
             "mean_live": float(rep.live[steady].mean()),
@@ -321,6 +333,10 @@ def print_burst_check(sim_rows: list[dict]) -> None:
               f"queued / waited / session-beats: engine {counts(r['engine'])}, replay "
               f"{counts(r['replay'])}, admit_calls {counts(r['admit_calls'])}; mean live "
               f"{r['mean_live']:.1f}, mean fill {r['mean_fill_frames']:.1f} frames")  # fmt: skip
+        if "replay_current_rule" in r:
+            c = r["replay_current_rule"]
+            print(f"    with today's rule (a waiter whose leave comes is withdrawn): "
+                  f"{counts(c)}, {c['withdrawn']} withdrawn")  # fmt: skip
     for r in (r for r in sim_rows if r["kind"] == "burst_validation"):
         print(f"  burst, queue {r['queue_beats']:>2} beats, {r['case']:>9}: p50 real "
               f"{r['real_p50_ms']:.1f} sim {r['sim_p50_ms']:.1f} ms "
