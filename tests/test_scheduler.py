@@ -406,6 +406,34 @@ def test_a_caller_who_hangs_up_in_the_queue_holds_no_place(engine):
     assert "c" not in {s.id for s in server.slots.sessions()}
 
 
+def test_a_network_caller_who_hangs_up_in_the_queue_holds_no_place(engine):
+    """The hub's path: net-1 waits from beat 0 and hangs up at beat 2; net-2 asks at beat 3 and
+    gets a's slot when a leaves at beat 4 (before the withdrawal, net-1 stayed "ahead" of it)."""
+    plans = [
+        SessionPlan(id="a", audio=_speech(1, 1), join=0, leave=4),
+        SessionPlan(id="b", audio=_speech(1, 2), join=0),
+    ]
+    engine.reset()
+    policy = sched.AdmissionControl(sched.Lockstep(), queue_beats=10)
+    server = Server(engine, clock="offline", seed=SEED, warmup_ticks=0, scheduler=policy)
+    hub, leaves, asked = server.hub, server.hub.leaves, {}
+
+    def leaves_at(tick):  # the client side of the hub, in step with the beat
+        if tick == 2:
+            hub.release("net-1")  # still waiting: its leave comes at this beat
+        if tick == 3:
+            asked["net-2"] = hub.admit(Join("net-2"))
+        return leaves(tick)
+
+    hub.leaves = leaves_at
+    first = hub.admit(Join("net-1"))
+    server.run(plans, 6)
+    with pytest.raises(CapacityError, match="net-1 left while waiting"):
+        first.result(timeout=0)
+    assert asked["net-2"].result(timeout=0) == 0  # a's slot, at beat 4
+    assert server.slots.session("net-2").admitted_tick == 4
+
+
 def test_withdraw_forgets_a_waiting_session():
     table = SlotTable(1)
     policy = sched.AdmissionControl(sched.Lockstep(), queue_beats=5)
