@@ -406,16 +406,22 @@ def test_a_caller_who_hangs_up_in_the_queue_holds_no_place(engine):
     assert "c" not in {s.id for s in server.slots.sessions()}
 
 
-def test_a_network_caller_who_hangs_up_in_the_queue_holds_no_place(engine):
-    """The hub's path: net-1 waits from beat 0 and hangs up at beat 2; net-2 asks at beat 3 and
-    gets a's slot when a leaves at beat 4 (before the withdrawal, net-1 stayed "ahead" of it)."""
+def _two_callers_and_a_queue(engine, *, a_leaves: int) -> tuple[list[SessionPlan], Server]:
+    """Scripted a (leaving before beat ``a_leaves``) and b fill both slots; a server behind
+    ``AdmissionControl`` with a 10-beat queue, for network callers to wait in."""
     plans = [
-        SessionPlan(id="a", audio=_speech(1, 1), join=0, leave=4),
+        SessionPlan(id="a", audio=_speech(1, 1), join=0, leave=a_leaves),
         SessionPlan(id="b", audio=_speech(1, 2), join=0),
     ]
     engine.reset()
     policy = sched.AdmissionControl(sched.Lockstep(), queue_beats=10)
-    server = Server(engine, clock="offline", seed=SEED, warmup_ticks=0, scheduler=policy)
+    return plans, Server(engine, clock="offline", seed=SEED, warmup_ticks=0, scheduler=policy)
+
+
+def test_a_network_caller_who_hangs_up_in_the_queue_holds_no_place(engine):
+    """The hub's path: net-1 waits from beat 0 and hangs up at beat 2; net-2 asks at beat 3 and
+    gets a's slot when a leaves at beat 4 (before the withdrawal, net-1 stayed "ahead" of it)."""
+    plans, server = _two_callers_and_a_queue(engine, a_leaves=4)
     hub, leaves, asked = server.hub, server.hub.leaves, {}
 
     def leaves_at(tick):  # the client side of the hub, in step with the beat
@@ -449,13 +455,7 @@ def test_withdraw_forgets_a_waiting_session():
 def test_network_session_waits_in_the_queue_then_is_admitted(engine):
     """A hub (network) session that finds the slots full waits: its future resolves with a slot
     once one frees; one still waiting when the run ends is refused, not left hanging."""
-    plans = [
-        SessionPlan(id="a", audio=_speech(1, 1), join=0, leave=3),
-        SessionPlan(id="b", audio=_speech(1, 2), join=0),
-    ]
-    engine.reset()
-    policy = sched.AdmissionControl(sched.Lockstep(), queue_beats=10)
-    server = Server(engine, clock="offline", seed=SEED, warmup_ticks=0, scheduler=policy)
+    plans, server = _two_callers_and_a_queue(engine, a_leaves=3)
     early = server.hub.admit(Join("net-1"))  # asks before tick 0: both slots go to a and b
     late = server.hub.admit(Join("net-2"))
     server.run(plans, 5)
@@ -463,7 +463,7 @@ def test_network_session_waits_in_the_queue_then_is_admitted(engine):
     assert server.slots.session("net-1").admitted_tick == 3
     with pytest.raises(CapacityError, match="server stopped: net-2 refused"):
         late.result(timeout=0)
-    assert policy.queued == 2
+    assert server.scheduler.queued == 2
 
 
 def test_buckets_need_a_bucket_engine(engine):

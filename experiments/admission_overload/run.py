@@ -136,15 +136,8 @@ def current_fits(fit: sim.H200Fit) -> dict[str, sim.H200Fit]:
     capacity rows) and ``line`` (``sim.fit_tick_line`` through ``--tick_rows``), from ``fit`` (one
     of them) and the flags' rows."""
     if fit.tick_line:
-        profile = er.read_rows(FLAGS.profile_rows)
-        auto = sim.fit_capacity(
-            er.read_rows(FLAGS.capacity_rows),
-            [r for r in profile if r["kind"] == "component"],
-            config="auto",
-        )
-        return {"auto": auto, "line": fit}  # fmt: skip
-    points = [p for path in FLAGS.tick_rows for p in sim.measured_ticks(er.read_rows(path))]
-    return {"auto": fit, "line": sim.fit_tick_line(fit, points)}
+        return {"auto": fits.capacity_fit("auto", er.read_rows(FLAGS.profile_rows)), "line": fit}
+    return {"auto": fit, "line": sim.fit_tick_line(fit, fits.tick_points())}
 
 
 def burst_check(fit: sim.H200Fit) -> list[dict]:

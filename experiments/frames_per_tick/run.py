@@ -175,8 +175,7 @@ def sim_part() -> list[dict]:
     rows = [fits.model_row(fit)]
     if FLAGS.split == "measured":
         fpt_rows = er.read_rows(FLAGS.fpt_rows)
-        f2 = [p for path in FLAGS.tick_rows for p in sim.measured_ticks(er.read_rows(path))]
-        split = measured_split(fpt_rows, f2)
+        split = measured_split(fpt_rows, fits.tick_points())
         rows.append(split)
         models = [(None, f, split_tick_model(fit, split["share"], f))
                   for f in (int(x) for x in FLAGS.fpt)]  # fmt: skip

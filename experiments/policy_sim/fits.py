@@ -113,14 +113,22 @@ def fit_models(profile: list[dict] | None = None) -> sim.H200Fit:
         profile = er.read_rows(FLAGS.profile_rows)
     if FLAGS.fit == "beat_profile":
         return sim.fit_h200(profile)
-    components = [r for r in profile if r["kind"] == "component"]
-    fit = sim.fit_capacity(
-        er.read_rows(FLAGS.capacity_rows), components, config=FLAGS.capacity_config
-    )
+    fit = capacity_fit(FLAGS.capacity_config, profile)
     if _tick_line():
-        points = [p for path in FLAGS.tick_rows for p in sim.measured_ticks(er.read_rows(path))]
-        fit = sim.fit_tick_line(fit, points)
+        fit = sim.fit_tick_line(fit, tick_points())
     return fit
+
+
+def capacity_fit(config: str, profile: list[dict]) -> sim.H200Fit:
+    """``sim.fit_capacity`` on the ``--capacity_rows`` of engine configuration ``config``, the
+    context share from ``profile``'s component rows (the ``--profile_rows``)."""
+    components = [r for r in profile if r["kind"] == "component"]
+    return sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components, config=config)
+
+
+def tick_points() -> list[dict]:
+    """The back-to-back ticks measured in the ``--tick_rows`` files (``sim.measured_ticks``)."""
+    return [p for path in FLAGS.tick_rows for p in sim.measured_ticks(er.read_rows(path))]
 
 
 def model_row(fit: sim.H200Fit) -> dict:

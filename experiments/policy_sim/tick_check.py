@@ -35,11 +35,9 @@ flags.DEFINE_integer("min_slots", 8, "The line is fitted to the points of at lea
 
 def main(argv):
     del argv
-    profile = er.read_rows(FLAGS.profile_rows)
-    components = [r for r in profile if r["kind"] == "component"]
-    fit = sim.fit_capacity(er.read_rows(FLAGS.capacity_rows), components, config="auto")
+    fit = fits.capacity_fit("auto", er.read_rows(FLAGS.profile_rows))
     cost = fit.cost
-    points = [p for path in FLAGS.tick_rows for p in sim.measured_ticks(er.read_rows(path))]
+    points = fits.tick_points()
     rows = [fits.model_row(fit)]
     for p in points:
         B = p["slots"]
