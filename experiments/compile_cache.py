@@ -1,10 +1,11 @@
 """Carries JAX's persistent compilation cache from one lent device machine to the next.
 
-Each device session starts on a bare machine, where the 11B's programs compile anew: 96 s for the
-engine, 175 s for the 16-slot staged tick, 134 s at 56 slots, 66-77 s for a resident loop
-(`notes/device.md`), a third of a 30-minute session at three slot counts. A machine's cache can
-come back through ``$OUT`` and travel to the next machine as a carried folder, but both ways are
-small (at most 8 files of 16 MiB and 64 MiB in all back, 64 MiB carried with the tree). So:
+A device call that finds no warm machine starts on a bare one, where the 11B's programs compile
+anew: 96 s for the engine, 175 s for the 16-slot staged tick, 134 s at 56 slots, 66-77 s for a
+resident loop (`docs/gpu-notes.md`, measured 2026-12-01): minutes of device time at each slot
+count. A machine's cache can come back through ``$OUT`` and travel to the next machine as a
+carried folder, but both ways are small (at most 8 files of 16 MiB and 64 MiB in all back,
+64 MiB carried with the tree). So:
 
   pack: the newest cache entries, each xz-compressed, into one tar as far as ``--budget_mib``
         allows, split into parts of at most ``--part_mib``;
@@ -13,7 +14,7 @@ small (at most 8 files of 16 MiB and 64 MiB in all back, 64 MiB carried with the
 JAX looks an entry up by a key of the program, the compile options, the jaxlib version and the
 device, so an entry that does not match the next machine is only a miss, never a wrong program.
 
-  python3 experiments/compile_cache.py pack --src=.jax_cache --out=$OUT     # last call of a session
+  python3 experiments/compile_cache.py pack --src=.jax_cache --out=$OUT     # last call on a machine
   python3 experiments/compile_cache.py unpack --src=.jax_cache_carry --dst=.jax_cache   # first call
 """
 

@@ -2,15 +2,16 @@
 # Runs benchmark commands on a lent device machine past one call's 10-minute limit.
 #
 #   experiments/device_queue.sh start CMD [CMD ...]   queue the commands, run them one after
-#                                                       another in a process session of their own
+#                                                       another, detached from the call (setsid)
 #   experiments/device_queue.sh wait SECONDS            wait for the queue (at most SECONDS), then
 #                                                       copy its log and rows to $OUT
 #
-# The queue survives the call that starts it (it is in a new session), so a later call, made
+# The queue survives the call that starts it (setsid detaches it), so a later call, made
 # while the machine is still warm, picks up where it stands. Every command runs in the repository
 # root with the persistent compilation cache set; it should write its rows under $QUEUE_ROWS
 # (exported to it), which `wait` copies back. State lives outside the repository, which each call
-# copies over again: $DEVICE_QUEUE_DIR, by default /tmp/device_queue.
+# copies over again: $DEVICE_QUEUE_DIR, by default /tmp/device_queue. How to plan calls around
+# it (idle release, machines lost between calls, compile costs): docs/gpu-notes.md.
 set -u
 dir=${DEVICE_QUEUE_DIR:-/tmp/device_queue}
 case "${1:-}" in

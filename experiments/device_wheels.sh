@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Downloads, here, the wheels of the serving packages that the lent H200 image lacks (its package
-# list: /work/.library/device/KINDS.md), for its Python 3.12 on x86-64, into .whl/ (git-ignored).
+# Downloads, here, the wheels of the serving packages that the lent H200 image lacks (the device
+# tool's package list says which), for its Python 3.12 on x86-64, into .whl/ (git-ignored).
 #
 #   experiments/device_wheels.sh
 #

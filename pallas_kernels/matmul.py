@@ -3,7 +3,7 @@
 ``x @ w`` where x has few rows (the slots of a decode step: B rows in the LLM, 2B with the speech
 decoder's CFG rows) and w is a large weight read once per step. At such sizes the product is
 bound by reading w: at 11B the LLM's MLP and Mamba projections are 92-203 MB of bf16 each, 2-4
-bytes per multiply-add per row. XLA reached 1.3-2.3 TB/s on them on the H200 (``serving-spec.md``
+bytes per multiply-add per row. XLA reached 1.3-2.3 TB/s on them on the H200 (``docs/serving.md``
 §6, ``experiments/beat_profile``) against about 3.7 TB/s for a device copy. This kernel splits the
 columns of w (and, when there are few column blocks, its rows) over enough programs that every SM
 streams its share of w once, with the loads software-pipelined by Triton.

@@ -1,6 +1,6 @@
 """The RVQ-VAE codec against NeMo 3.0's ``RVQVAEModel`` (tiny random weights, fp32).
 
-Alignment of streaming and offline decoding (model-spec §8; see ``voicechat_jax.model.codec``):
+Alignment of streaming and offline decoding (docs/model.md §8; see ``voicechat_jax.model.codec``):
 the stream is the offline waveform delayed by 8 samples. The stream's first 8 samples are the part
 of frame 0 that offline trims, and offline samples 0..5 are normalised by a partial window envelope,
 so the compared ranges are ``stream[14:]`` and ``offline[6:-8]``.
@@ -240,7 +240,7 @@ def test_full_size_key_table_matches_nemo():
         model = ear.RVQVAEModel(nemo_config(cfg.codec))
     shapes = {codec_keys.PREFIX + k: tuple(v.shape) for k, v in model.state_dict().items()}
     rules = codec_keys.rules(cfg)
-    assert len(shapes) == 214  # the release's audio_codec census (model-spec §4)
+    assert len(shapes) == 214  # the release's audio_codec census (docs/model.md §4)
     assert sorted(r.release for r in rules) == sorted(shapes)
     dropped = [r.release for r in rules if r.param is None]
     assert len(dropped) == cfg.codec.n_quantizers

@@ -1,7 +1,7 @@
 """The streaming perception (mel, cache-aware FastConformer, proj) against NeMo 3.0's streaming.
 
 The reference is NeMo's ``AudioPerceptionModule`` built with ``tiny().encoder`` and the release's
-options (random non-trivial weights, eval mode, fp32), run the way model-spec §8 describes NeMo's
+options (random non-trivial weights, eval mode, fp32), run the way docs/model.md §8 describes NeMo's
 streaming: ``CacheAwareStreamingAudioBuffer`` cuts the whole-clip mel into one-frame chunks and
 ``ConformerEncoder.cache_aware_stream_step`` runs each (``drop_extra_pre_encoded`` 0 at step 0),
 then ``perception.proj``. Weights reach the port through ``keys.encoder.rules``.
@@ -137,7 +137,7 @@ def ref():
     rng = np.random.default_rng(0)
     audio = (0.3 * rng.standard_normal((2, N_FRAMES * SPF))).astype(np.float32)
     enc, proj = _nemo_stream(m, [audio[0], audio[1]])
-    # NeMo's clip has one more frame, made from the end-of-clip flush (model-spec §8).
+    # NeMo's clip has one more frame, made from the end-of-clip flush (docs/model.md §8).
     assert enc.shape[1] == N_FRAMES + 1
     _, got_enc, got_proj = _stream(
         params, conformer.init_state(ENC, 2, PREC), audio, [1] * N_FRAMES, _jit_step
@@ -266,7 +266,7 @@ def test_full_size_key_table(monkeypatch):
         assert len(idx) == n, p
     n_nemo = sum(int(np.prod(s)) for s in nemo_shapes.values())
     assert count_params(abstract) == n_nemo
-    assert 613e6 < n_nemo < 615e6  # model-spec §1: 614 M
+    assert 613e6 < n_nemo < 615e6  # docs/model.md §1: 614 M
 
 
 def test_full_size_state_shapes():

@@ -6,8 +6,8 @@ tiny codec), loaded into our params through the release key tables (``keys.tts``
 runs 4 head rounds ({0}, {1}, {2}, {3..11}) instead of tiny's single one.
 
 Exact-code comparisons use NeMo's deterministic setting (``top_p_or_k=1``, ``noise_scale=0``,
-model-spec §8) or, for the faithful sampler, NeMo run on our own random draws (``torch.rand_like``
-/ ``torch.randn_like`` patched to return them).
+docs/model.md §8) or, for the faithful sampler, NeMo run on our own random draws
+(``torch.rand_like`` / ``torch.randn_like`` patched to return them).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_config() -> ModelConfig:
 def nemo_config(cfg: ModelConfig, tokenizer_dir: str, log_dir: str) -> dict:
     """The ``speech_generation`` config ``NemotronVoiceChat`` hands to ``DuplexEARTTS``.
 
-    Laid out as the release's (model-spec §4): gated fusion, no EOS head, BOS/EOS and subword-flag
+    Laid out as the release (docs/model.md §4): gated fusion, no EOS head, BOS/EOS and subword-flag
     embeddings, the frozen audio-prompt projection, a Gemma-3 backbone and a one-layer T5Gemma
     char encoder (both with HF's default attention implementation, as NeMo builds them).
     """
@@ -410,7 +410,7 @@ def nemo_run(ref, cfg):
     init = ref.get_init_inputs(B=B)
     init.update(use_cache=True, past_key_values=None, guidance_enabled=True)
     gen_cfg = ref._get_generation_config(True)
-    gen_cfg.update(top_p_or_k=1, noise_scale=0.0)  # model-spec §8: deterministic
+    gen_cfg.update(top_p_or_k=1, noise_scale=0.0)  # docs/model.md §8: deterministic
     with torch.no_grad():
         out = ref.tts_model(**init)
     cache = out.past_key_values
@@ -595,7 +595,7 @@ def test_full_size_shapes_and_count_match_nemo():
     D, V = t.d_model, t.text_vocab
     n_cas = n_enc + t.char_vocab * D + D * D + 5 * D + (V + 1) + V + 2
     assert count_params(ours.char_encoder) == n_cas
-    # model-spec §1 "797 M": every tensor of tts_model.tts_model (buffers included)
+    # docs/model.md §1 "797 M": every tensor of tts_model.tts_model (buffers included)
     extras = ours.prompt_latents.size + ours.silence_codes.size + ours.control_codes.size
     total = n_nemo - extras + n_cas
     assert total == count_params(ours) + dropped - extras

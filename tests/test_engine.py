@@ -1,4 +1,4 @@
-"""The session engine on the tiny random model: serving-spec §5's gates, both loops, the tick.
+"""The session engine on the tiny random model: docs/serving.md §5's gates, both loops, the tick.
 
 Every run here uses the offline clock (beats back to back), so outputs are reproducible; the
 real-time clock is exercised by the CLI test.

@@ -26,7 +26,7 @@ def abstract():
 
 
 def test_release_parameter_counts(abstract):
-    """The release's counts (model-spec §1): perception 614 M, LLM backbone 7,714 M, three
+    """The release's counts (docs/model.md §1): perception 614 M, LLM backbone 7,714 M, three
     [131072, 4480] matrices, speech decoder 797 M, codec ~200 M."""
     llm = abstract.llm
     matrices = [llm.embed, llm.lm_head, llm.function_head]

@@ -2,7 +2,7 @@
 
 The reference is built from a config matching ``tiny().llm`` with random non-trivial weights,
 loaded into our params through the release key table (``keys.llm``). Its ``time_step_min`` is set
-tiny: transformers clamps dt there, the release does not (model-spec §8, "Mamba dt").
+tiny: transformers clamps dt there, the release does not (docs/model.md §8, "Mamba dt").
 """
 
 from __future__ import annotations

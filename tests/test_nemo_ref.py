@@ -41,7 +41,7 @@ def listened(nemo_tiny, perception):
 
 
 def test_full_size_layout(full_shapes):
-    """NeMo 3.0's 1,616 tensors + function_head + 15 RNNT tensors (model-spec §4)."""
+    """NeMo 3.0's 1,616 tensors + function_head + 15 RNNT tensors (docs/model.md §4)."""
     assert len(full_shapes) == 1632
     census = collections.Counter(".".join(k.split(".")[:2]) for k in full_shapes)
     assert census["stt_model.perception"] == 640
@@ -94,7 +94,7 @@ def test_tiny_model_has_the_release_layout(nemo_tiny, full_shapes):
     sd = nemo_ref.release_state_dict(nemo_tiny)
     assert _kinds(sd) == _kinds(full_shapes)
     ints = sorted(k for k, v in sd.items() if v.dtype == np.int64)
-    assert len(ints) == 6, ints  # model-spec §4: "fp32 plus 6 int64 buffers"
+    assert len(ints) == 6, ints  # docs/model.md §4: "fp32 plus 6 int64 buffers"
     assert all(v.dtype in (np.float32, np.int64) for v in sd.values())
 
 
@@ -157,7 +157,7 @@ def test_listen_loop_equals_one_teacher_forced_pass(nemo_tiny, perception, liste
 
 
 def test_streaming_perception_near_offline(nemo_tiny, test_audio, perception):
-    """model-spec §8: the streaming path differs by ~1e-2 early (zero log-mel cache), less later."""
+    """docs/model.md §8: streaming differs by ~1e-2 early (zero log-mel cache), less later."""
     streamed = nemo_ref.nemo_streaming_perception(nemo_tiny, test_audio)
     assert streamed.shape == perception.shape
     assert rel_err(streamed[0], perception[0]) <= 1e-5

@@ -338,7 +338,7 @@ def test_auto_config_is_the_kernels_auto_picks_at_each_row_slot_count():
             if r.get("commit") == "B" and "tts_attention" not in r]  # fmt: skip
     serve64 = next(r for r in rows if r["kind"] == "serve" and r["sessions"] == 64)
     base = next(r for r in rows if r["kind"] == "baseline")
-    # the sixth session's engine at the same commit: XLA's speech-decoder attention at 64, and
+    # the xla_tts engine at the same commit: XLA's speech-decoder attention at 64, and
     # a baseline with a kernel that auto does not pick at one slot
     older = serve64 | {"tts_attention": "xla", "p50_ms": 999.0}
     rows += [older, base | {"ssm_kernel": "pallas", "ms_p50": 999.0}]
@@ -349,7 +349,7 @@ def test_auto_config_is_the_kernels_auto_picks_at_each_row_slot_count():
     assert [r["sessions"] for r in sel.probes] == [64, 72]
     assert all(r["tick_ms_p50"] < 999 for r in sel.probes)
     assert sel.baselines == [base]
-    # the same rows under the sixth session's configuration: only its own serving row
+    # the same rows under the xla_tts configuration: only its own serving row
     assert sim.select_capacity_rows(rows, config="xla_tts").serves == [older]
     fit = sim.fit_capacity(rows, _COMPONENTS)
     assert fit.config == "auto"

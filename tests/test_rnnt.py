@@ -1,6 +1,6 @@
 """The RNNT transcript head against NeMo ASR's ``RNNTDecoder`` / ``RNNTJoint`` and greedy decoders.
 
-NeMo 3.0's ``NemotronVoiceChat`` has no RNNT head (model-spec §8), so the reference is assembled
+NeMo 3.0's ``NemotronVoiceChat`` has no RNNT head (docs/model.md §8), so the reference is assembled
 from NeMo's own ASR parts: the modules are built with the release's ``_rnnt_merge_info`` structure
 (tiny sizes), given random weights, renamed to release keys and loaded through ``keys.rnnt``.
 The greedy reference is ``GreedyRNNTInfer`` (sequence level) and ``GreedyBatchedRNNTInfer``

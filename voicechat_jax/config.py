@@ -18,7 +18,7 @@ import jax
 from voicechat_jax import precision as precision_lib
 from voicechat_jax.precision import Precision
 
-# Special token ids of the Nemotron text tokenizer (model-spec §2): <s>, </s>, <SPECIAL_12>.
+# Special token ids of the Nemotron text tokenizer (docs/model.md §2): <s>, </s>, <SPECIAL_12>.
 BOS_ID = 1
 EOS_ID = 2
 PAD_ID = 12
@@ -199,7 +199,7 @@ class SpeechDecoderConfig:
     mog_rank: int = 64
     mog_mlp_layers: int = 3
     mog_min_log_std: float = -4.0
-    # sampler (released values; model-spec §3)
+    # sampler (released values; docs/model.md §3)
     num_iter: int = 8
     exponent: float = 3.0
     guidance_scale: float = 0.2
@@ -277,7 +277,7 @@ class ModelConfig:
 
 
 def voicechat_11b() -> ModelConfig:
-    """The released Nemotron VoiceChat 11B (model-spec §1)."""
+    """The released Nemotron VoiceChat 11B (docs/model.md §1)."""
     return ModelConfig()
 
 

@@ -1,7 +1,7 @@
 r"""NVIDIA's public release -> an orbax checkpoint, streaming and strict (``convert``).
 
 The command line is ``voicechat-convert`` (``voicechat_jax.cli.convert``). The release
-(model-spec §4) is a directory holding NeMo's nested ``config.json`` and one
+(docs/model.md §4) is a directory holding NeMo's nested ``config.json`` and one
 ``model.safetensors`` (1,632 tensors, fp32 plus 6 int64 buffers, 44.4 GB). The LLM's sizes are
 not in it: NeMo reads them from ``nvidia/NVIDIA-Nemotron-Nano-9B-v2`` by id; ``llm_config`` gives
 that ``config.json``, and without it the built-in 9B values are used (the tensors must agree).

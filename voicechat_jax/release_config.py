@@ -1,6 +1,6 @@
 """The release ``config.json`` (NeMo's nested Hydra config) <-> ``ModelConfig``.
 
-The public checkpoint ships the whole training config of ``NemotronVoiceChat`` (model-spec §4):
+The public checkpoint ships the whole training config of ``NemotronVoiceChat`` (docs/model.md §4):
 ``data.*``, ``model.stt.model.*`` (``DuplexSTTModel``: LLM id, perception, channel weights),
 ``model.speech_generation.*`` (``DuplexEARTTS``: codec, EarTTS, sampler), ``_rnnt_merge_info``
 (the RNNT head grafted on after training). The LLM's sizes live in the LLM's own HF
@@ -47,7 +47,7 @@ from voicechat_jax.config import (
     voicechat_11b,
 )
 
-# The LLM whose sizes are known without its config.json (model-spec §1.1).
+# The LLM whose sizes are known without its config.json (docs/model.md §1.1).
 NANO_9B_V2 = "nvidia/NVIDIA-Nemotron-Nano-9B-v2"
 
 # Dotted prefixes of the release config's sections.
@@ -177,7 +177,7 @@ def _integral(x: float, path: str) -> int:
 
 
 def _token_id(token: str, path: str) -> int:
-    """Id of a Nemotron special token: '<s>' 1, '</s>' 2, '<SPECIAL_n>' n (model-spec §2)."""
+    """Id of a Nemotron special token: '<s>' 1, '</s>' 2, '<SPECIAL_n>' n (docs/model.md §2)."""
     if token == "<s>":
         return BOS_ID
     if token == "</s>":
@@ -548,7 +548,7 @@ def llm_config(cfg: ModelConfig) -> dict:
     """``_read_llm``'s LLM ``config.json`` (HF ``NemotronHConfig`` keys) of ``cfg.llm``.
 
     ``time_step_min`` is tiny because transformers' ``nemotron_h`` clamps dt at it, which the
-    release's own model code does not (model-spec §8 "Mamba dt").
+    release's own model code does not (docs/model.md §8 "Mamba dt").
     """
     llm = cfg.llm
     return {

@@ -38,8 +38,8 @@ flags.DEFINE_enum(
     "The codec decoder's products (Precision.codec_matmul) in every policy (default: its own).",
 )
 
-WEIGHTS_GB = 26.0  # bf16 LLM + fp32 rest, read once per frame-step (serving-spec §3)
-SESSION_GB = 1.1  # per session per frame-step at the 1,500-frame cap (serving-spec §3)
+WEIGHTS_GB = 26.0  # bf16 LLM + fp32 rest, read once per frame-step (docs/serving.md §3)
+SESSION_GB = 1.1  # per session per frame-step at the 1,500-frame cap (docs/serving.md §3)
 
 
 def baseline(params, cfg, precision, template, ticks: int) -> dict:

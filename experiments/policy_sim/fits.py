@@ -4,10 +4,10 @@ Shared by the scheduling experiments of issue 15 (``batching_policy``, ``slot_bu
 ``frames_per_tick``, ``phase_stagger``, ``admission_overload``, ``idle_speech``). ``--fit=capacity``
 (the default) fits ``sim.fit_capacity`` to the ``experiments/capacity`` rows of one engine
 configuration, ``--capacity_config``: ``auto`` (the default, the engine's GPU default kernels) or
-``xla_tts`` (the sixth session's engine, XLA's speech-decoder attention: the previous fit, kept as
-history); ``--fit=beat_profile`` fits ``sim.fit_h200`` to the older engine's (``9dce6ca``)
-beat-profile rows, which reproduces the experiments' history. Component rows (the context share)
-come from the beat-profile file in both.
+``xla_tts`` (the engine of ``d846496`` and ``5386a4f``, XLA's speech-decoder attention: the
+previous fit, kept as history); ``--fit=beat_profile`` fits ``sim.fit_h200`` to the older
+engine's (``9dce6ca``) beat-profile rows, which reproduces the experiments' history. Component
+rows (the context share) come from the beat-profile file in both.
 """
 
 from __future__ import annotations

@@ -618,7 +618,7 @@ def auto_config(slots: int) -> dict:
 
 
 def xla_tts_config(slots: int) -> dict:
-    """The engine of the sixth session's rows (``5386a4f``, ``d846496``): the Pallas SSM update and
+    """The engine of the rows at ``5386a4f`` and ``d846496``: the Pallas SSM update and
     LLM attention, XLA's speech-decoder attention, at every slot count (its baseline rows name no
     kernel), full fp32 codec products."""
     del slots

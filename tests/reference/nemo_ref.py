@@ -6,12 +6,12 @@ NeMo 3.0 (fp32, CPU, ``.eval()``):
 - ``build_tiny_nemo``: ``NemotronVoiceChat(config_to_release(cfg))`` with a local stand-in LLM
   (``make_tiny_llm_config``) and tokenizer (``make_tiny_tokenizer``) in a directory whose name
   holds "Nemotron" (NeMo's Nemotron code paths key on it), random weights of non-trivial scale,
-  plus the two heads NeMo 3.0 lacks (model-spec §8): ``stt_model.function_head`` (one more
+  plus the two heads NeMo 3.0 lacks (docs/model.md §8): ``stt_model.function_head`` (one more
   vocabulary projection of the LLM's last hidden state, a ``torch.nn.Linear`` like ``lm_head``)
   and the RNNT head ``stt_model.rnnt_decoder`` / ``stt_model.rnnt_joint`` (NeMo ASR's
   ``RNNTDecoder`` / ``RNNTJoint`` built from ``_rnnt_merge_info``). Neither runs inside NeMo's
   own loops; ``nemo_listen`` runs the function head.
-- ``release_state_dict`` / ``save_release``: the release checkpoint's layout (model-spec §4).
+- ``release_state_dict`` / ``save_release``: the release checkpoint's layout (docs/model.md §4).
 - ``nemo_streaming_perception``: NeMo's cache-aware streaming encoder, one-frame chunks.
 - ``nemo_listen``: the per-frame LLM loop of ``DuplexSTTStreamingInference`` with the function
   channel added.
@@ -20,7 +20,7 @@ NeMo 3.0 (fp32, CPU, ``.eval()``):
 - ``nemo_full_size_key_shapes``: the release's 1,632 key names and shapes, built with its
   parameters on the meta device from ``config_to_release(voicechat_11b())``.
 
-Speech sampling is made deterministic (model-spec §8): ``top_p_or_k=1`` (an int selects the top
+Speech sampling is made deterministic (docs/model.md §8): ``top_p_or_k=1`` (an int selects the top
 component) and ``noise_scale=0.0``; the guidance scale stays the release's
 (``deterministic_generation_config``).
 """
@@ -74,7 +74,7 @@ def _rnnt_modules(release_cfg: dict) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 def _add_missing_heads(model, release_cfg: dict, cfg: ModelConfig) -> None:
-    """The function head and RNNT head the release has and NeMo 3.0 lacks (model-spec §8)."""
+    """The function head and RNNT head the release has and NeMo 3.0 lacks (docs/model.md §8)."""
     stt = model.stt_model
     # the release's function_head starts as a deepcopy of lm_head: same module type and shape
     stt.function_head = copy.deepcopy(stt.lm_head)
@@ -299,13 +299,13 @@ def nemo_listen(
     the first positions, whose outputs are not taken; the user channel is weighted;
     ``_get_bos_embedding`` adds E[PAD] at position 0), ``_step_zero`` and ``_step_inference``
     (position t adds E[text_{t-1}]; the whole prefix is re-run without a cache, as NeMo does
-    for Nemotron; greedy argmax). The function channel (model-spec §2; absent from NeMo 3.0) is
+    for Nemotron; greedy argmax). The function channel (docs/model.md §2; absent from NeMo 3.0) is
     added the same way: E[PAD] at position 0, E[func_{t-1}] at t, both times
     ``duplex_function_channel_weight``, and ``func_t = argmax function_head(h_t)`` on the same
     last hidden state. ``function_channel=False`` leaves NeMo's loop as it is.
 
     ``perception_frames`` [T, D]: ``perception`` outputs. ``system_prompt_ids``: the ids placed
-    on the user slot (model-spec §2 uses [BOS] + tokens + [EOS]). Returns the T audio
+    on the user slot (docs/model.md §2 uses [BOS] + tokens + [EOS]). Returns the T audio
     positions' ``text`` [T], ``function`` [T] (PAD when ``function_channel`` is off) and
     ``hidden`` [T, D] (the LLM's last hidden state, before the heads).
     """

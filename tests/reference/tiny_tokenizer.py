@@ -8,7 +8,7 @@ is a continuation; ``BOSEOSEmbedding``: '<s>'/'</s>' flags). This module writes 
 byte-level BPE tokenizer with the same id conventions at ``tiny().llm.vocab_size`` ids:
 
 - ids 0, 1, 2: ``<unk>``, ``<s>``, ``</s>``; ids 3..22: ``<SPECIAL_3>``..``<SPECIAL_22>`` (PAD is
-  ``<SPECIAL_12>`` = 12; SOTC/EOTC/EOTR are 20/21/22, model-spec §2);
+  ``<SPECIAL_12>`` = 12; SOTC/EOTC/EOTR are 20/21/22, docs/model.md §2);
 - the next 256 ids: the byte-level alphabet (one token per byte, printable ASCII as itself, the rest
   as GPT-2's shifted characters such as 'Ġ' for the space), so ``build_vocabs`` finds exactly 256
   single-character tokens and the char vocabulary has 257 rows (``tiny().tts.char_vocab``);
@@ -187,7 +187,7 @@ def make_tiny_llm_config(cfg: ModelConfig) -> dict:
     """The Nemotron-H ``config.json`` of the LLM stand-in (HF ``NemotronHConfig`` keys).
 
     Laid out like ``nvidia/NVIDIA-Nemotron-Nano-9B-v2``'s config with sizes from ``cfg.llm``;
-    ``time_step_min`` is tiny so that HF does not clamp dt (model-spec §8 "Mamba dt"). The same
+    ``time_step_min`` is tiny so that HF does not clamp dt (docs/model.md §8 "Mamba dt"). The same
     dict ``release_config.config_to_release`` returns as its second element.
     """
     return llm_config(cfg)

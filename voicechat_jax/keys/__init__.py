@@ -4,7 +4,7 @@ The table is assembled from one module per sub-network (``keys.encoder``, ``keys
 exporting ``rules(cfg) -> list[KeyRule]``. A rule names one release tensor, the dotted path of the
 parameter it fills (``llm.mamba.in_proj``), the position on that parameter's leading stacked axes
 (the layer index for stacked layers), and the layout transform from torch's layout to ours
-(model-spec §4). Release names appear nowhere else in the package.
+(docs/model.md §4). Release names appear nowhere else in the package.
 
 ``fill`` (``keys.core``) applies a table strictly: a source key with no rule, a rule whose key is
 missing, a parameter slot filled twice or never, and a shape that does not match are all errors

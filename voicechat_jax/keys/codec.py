@@ -1,6 +1,6 @@
 """Key rules for the RVQ-VAE codec: ``tts_model.audio_codec.*`` -> ``codec.*``.
 
-The release holds 214 codec tensors (model-spec §4): encoder 76, decoder 76, ``prvq.mus_list``
+The release holds 214 codec tensors (docs/model.md §4): encoder 76, decoder 76, ``prvq.mus_list``
 31 and ``prvq._variance_list`` 31. The variances only give the training-time log-std; their 31
 rules drop them (``param=None``: consumed, not loaded). Layer indices follow NeMo's
 ``Wav2Latent.layers`` ([in conv] + per stage [blocks..., down conv]) and ``Latent2Wav.layers``

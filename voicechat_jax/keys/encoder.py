@@ -1,4 +1,4 @@
-"""Release keys of the perception: ``stt_model.perception.*`` (model-spec §1.2, §4).
+"""Release keys of the perception: ``stt_model.perception.*`` (docs/model.md §1.2, §4).
 
 Names are those of NeMo's ``AudioPerceptionModule`` state dict: the featurizer's two buffers,
 ``encoder.pre_encode`` (``conv.{0,2,3,5,6}`` of the ``MaskedConvSequential``: the ReLUs sit at

@@ -1,6 +1,6 @@
 """Release keys of the RNNT head: ``stt_model.rnnt_decoder.*`` and ``stt_model.rnnt_joint.*``.
 
-15 tensors (model-spec §4, ``_rnnt_merge_info``), named as NeMo's ``RNNTDecoder`` and
+15 tensors (docs/model.md §4, ``_rnnt_merge_info``), named as NeMo's ``RNNTDecoder`` and
 ``RNNTJoint`` name them: the embedding, per LSTM layer ``weight_ih``/``weight_hh``/``bias_ih``/
 ``bias_hh`` (torch's gate order i, f, g, o is kept; the two biases are summed into one slot), the
 joint's ``pred``/``enc`` Linears, and ``joint_net.2`` (the output Linear; index 2 because the

@@ -36,7 +36,7 @@ Precision (``Precision``): weights and activations in ``precision.llm`` (bf16 as
 release), the residual stream fp32, the Mamba conv, SSM scan and gated norm computed in fp32 (as the
 ``causal_conv1d`` / ``mamba_ssm`` kernels do) with their outputs cast back to the activation dtype,
 the SSM and conv state in ``precision.ssm_state`` and the KV cache in ``precision.llm_kv``.
-``A_log``, ``D`` and ``dt_bias`` are kept in fp32 whatever the policy (model-spec §3).
+``A_log``, ``D`` and ``dt_bias`` are kept in fp32 whatever the policy (docs/model.md §5).
 The activation dtype is read from the params (``params.embed.dtype``), so the step functions take
 no precision argument.
 

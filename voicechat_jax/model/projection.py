@@ -3,7 +3,7 @@
 ``matmul(x, w, layer=j, impl=...)`` is ``x @ w[j]`` for a stacked [L, D, F] weight (or ``x @ w``
 for a [D, F] one), x [..., D] with few rows (the slots of one frame). It serves the LLM's MLP
 (``up``, ``down``) and Mamba (``in_proj``, ``out_proj``) projections, the weights a decode step
-streams (``serving-spec.md`` §3), picked by ``ServeConfig.projection`` (``ProjectionImpl``):
+streams (``docs/serving.md`` §3), picked by ``ServeConfig.projection`` (``ProjectionImpl``):
 
 - ``'xla'``: ``common.dense(x, w[j])``, the model's own product (bit-identical to it): XLA's dot.
 - ``'pallas'``: ``pallas_kernels.matmul``, the weight-streaming Triton kernel; it reads the

@@ -1,6 +1,6 @@
 """The RNNT transcript side head: LSTM prediction net, joint, greedy streaming decoding.
 
-NeMo 3.0's ``NemotronVoiceChat`` has no RNNT head (model-spec §8); the release carries one
+NeMo 3.0's ``NemotronVoiceChat`` has no RNNT head (docs/model.md §8); the release carries one
 (``stt_model.rnnt_decoder`` / ``stt_model.rnnt_joint``, 15 tensors, described by the checkpoint's
 ``_rnnt_merge_info``). It reads the encoder's 1024-d frames (before ``perception.proj``) and emits
 SentencePiece ids of the user's speech: the transcript and the blank/non-blank evidence the

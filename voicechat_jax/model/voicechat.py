@@ -1,6 +1,6 @@
 """The whole model, one frame at a time: listening half, speaking half, and their carried state.
 
-Per frame ``t`` (model-spec §3; NeMo ``NemotronVoiceChat.offline_inference`` with the streaming
+Per frame ``t`` (docs/model.md §3; NeMo ``NemotronVoiceChat.offline_inference`` with the streaming
 perception of ``ConformerEncoder.cache_aware_stream_step``):
 
 1. ``enc_t, a_t = encoder_step(pcm_t)``        streaming log-mel + cache-aware FastConformer + proj

@@ -3,7 +3,7 @@
 Input is 16 kHz mono (the encoder's ``MelConfig.sample_rate``), as float32 in [-1, 1]; output is
 the codec's 22.05 kHz. Every check that fails raises ``AudioInputError`` naming the source (a file
 path, or a session / message) and the problem, so that bad input can fail its session alone
-(serving-spec §5, gate 6) with a message a client can act on.
+(docs/serving.md §5, gate 6) with a message a client can act on.
 
 WAV files are read with a small RIFF parser rather than the stdlib ``wave`` module, which on
 Python 3.11 reads neither IEEE-float nor WAVE_FORMAT_EXTENSIBLE files and reports a truncated file

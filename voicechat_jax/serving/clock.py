@@ -1,4 +1,4 @@
-"""The beat clock: when tick ``k`` starts and when its output is due (serving-spec §2).
+"""The beat clock: when tick ``k`` starts and when its output is due (docs/serving.md §2).
 
 Realtime mode: tick ``k`` starts at ``t0 + k * P`` on a monotonic clock. A host that is early
 sleeps until the start; a host that is late starts at once and is told how late. The clock never

@@ -2,7 +2,7 @@
 
 A serving process holds some 300,000 GC-tracked objects (JAX, flax, NumPy, absl); one automatic
 full (generation-2) collection walks them all and took 100-180 ms on this project's CPUs, with the
-GIL held: a beat-sized stall at an arbitrary moment (serving-spec §6). Two pieces:
+GIL held: a beat-sized stall at an arbitrary moment (docs/serving.md §6). Two pieces:
 
 - ``GcMonitor`` records every collection of the process (``gc.callbacks``): when it started and
   ended, its generation, and whether the serving policy asked for it. The metrics attribute the

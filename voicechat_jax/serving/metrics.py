@@ -458,7 +458,7 @@ class MetricsRecorder:
     # ---- the report --------------------------------------------------------------------------
 
     def summary(self) -> dict:
-        """The serving report of serving-spec §2 as a dict (times in ms)."""
+        """The serving report of docs/serving.md §2 as a dict (times in ms)."""
         with self._lock:
             out = self._phase_stats(self._steady, self._ring.column(0))
             n = out["ticks"]

@@ -2,7 +2,7 @@
 
 The device side is a mechanism (``step.tick``: admit and release slots, advance the slots in
 ``BeatInput.run``, hold every other slot bit-identical). A ``Scheduler`` is the policy, asked by
-the server's beat thread before each beat (serving-spec §7, "mechanism apart from policy"):
+the server's beat thread before each beat (docs/serving.md §7, "mechanism apart from policy"):
 
 - ``admit(slots, session, tick=, source=)``: the slot a joining session goes into, or None (it
   waits for a slot: the caller asks again next beat); or it raises ``CapacityError`` (refused,

@@ -1,10 +1,10 @@
 """Sessions on the host: slot admission, per-session input queues, and the session record.
 
-``SlotTable`` maps live sessions to the fixed slots of the device state (serving-spec §1): a new
+``SlotTable`` maps live sessions to the fixed slots of the device state (docs/serving.md §1): a new
 session takes the lowest free slot, session ``N + 1`` is refused with a ``CapacityError``, closing
 a session frees only its slot. ``InputQueues`` holds each session's incoming audio, pushed by any
 source (a file reader, a network handler) from any thread, and hands the tick exactly one beat per
-session (serving-spec §2, gates 4 and 6):
+session (docs/serving.md §2; §5, gates 4 and 6):
 
 - Audio not arrived by the tick start becomes silence and counts one *input underrun*.
 - Partial beat: the samples that arrived are used at the start of the beat, the rest of the beat
@@ -41,7 +41,7 @@ SessionId = Hashable
 
 
 class CapacityError(RuntimeError):
-    """Every slot is in use: the session is refused (serving-spec §5, gate 1)."""
+    """Every slot is in use: the session is refused (docs/serving.md §5, gate 1)."""
 
 
 # ---------------------------------------------------------------------------------------------

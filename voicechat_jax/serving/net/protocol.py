@@ -42,7 +42,7 @@ FRAME_MS = 80
 DEFAULT_RATE = 24000  # the Realtime API's PCM16 rate, in and out
 INPUT_RATES = (16000, 24000)
 OUTPUT_RATES = (16000, 22050, 24000)
-SILENCE_ID = 11  # the text channel's "silence" token (model-spec §2)
+SILENCE_ID = 11  # the text channel's "silence" token (docs/model.md §2)
 SOTC_ID, EOTC_ID, EOTR_ID = 20, 21, 22  # function channel: start / end of a tool call, tool result
 # Ids that are not words on the text channel.
 TEXT_SKIP = frozenset({PAD_ID, SILENCE_ID, BOS_ID, EOS_ID})
