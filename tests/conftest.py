@@ -6,25 +6,26 @@ mutated by tests.
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
 
 # NeMo resolves its LLM config and tokenizer through transformers: never reach the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-# One persistent compilation cache for the run, this process and every server or worker it starts
-# (they inherit the environment): the CLI tests start many processes that compile the same tiny
-# programs, and a cached one loads in a fraction of the compile (56 -> 29 s for a 2-second
-# `voicechat-serve` run here). `step.CompileCounter` counts a cache load as a compile (the event
-# wraps both), so the "compiled once" checks hold either way. Set before jax is imported.
+# One persistent compilation cache for the suite, inside the checkout (``.jax_cache/tests``,
+# git-ignored), for this process and every worker, server or script it starts (they inherit the
+# environment): the tests build the same tiny programs in two pytest-xdist workers and in
+# subprocesses, and a cached program loads in a fraction of its compile (56 -> 29 s for a
+# 2-second `voicechat-serve` run here). The cache outlives the run, so a developer's second run
+# starts warm; CI's clean checkout starts cold. `step.CompileCounter` counts a cache load as a
+# compile (the event wraps both), so the "compiled once" checks hold either way. Set before jax is
+# imported.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _cache = tempfile.mkdtemp(prefix="voicechat_jax_test_xla_cache_")
-    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    _cache = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          ".jax_cache", "tests")  # fmt: skip
+    os.makedirs(_cache, exist_ok=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 # CPU code generation without LLVM's costly passes, for this process and every one it starts: the
 # suite is mostly compiling tiny programs, and these flags cut a compile-bound file such as
@@ -79,12 +80,11 @@ def test_audio() -> np.ndarray:
 # time (pyproject.toml: ``-n 2 --dist loadfile``); a long file started last would keep one worker
 # busy after the other has finished. After each name: its slowest tests' seconds here, one worker.
 SLOW_FIRST = (
-    "test_mesh.py",  # 138: two 4-device subprocesses
+    "test_mesh.py",  # one 4-device subprocess: the data mesh, tensor parallelism, the server
     "test_serve_cli.py",  # 206: voicechat-serve subprocesses, one on the real-time clock
     "test_engine.py",  # 191
     "test_conversation_memory.py",  # 135
     "test_net.py",  # 61, and the browser call where Chromium is installed
-    "test_tensor_parallel.py",  # 50: a 4-device subprocess
     "test_staged_tick.py",  # 51
     "test_convert.py",  # 49
     "test_pipeline.py",  # 47

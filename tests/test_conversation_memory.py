@@ -16,13 +16,12 @@ import subprocess
 import sys
 import wave
 
-import jax
 import numpy as np
 import pytest
 
+from tests import shared
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import BOS_ID, EOS_ID, PAD_ID, ServeConfig, tiny
-from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving.memory import (
     AGENT,
@@ -219,7 +218,7 @@ def test_plan_takes_hard_then_pause_then_spread_within_its_budget():
 
 @pytest.fixture(scope="module")
 def engine():
-    params = voicechat.init(jax.random.key(0), CFG, PREC)
+    params = shared.params(PREC)
     serve = ServeConfig(
         slots=2,
         frames_per_tick=FPT,
@@ -370,7 +369,7 @@ def test_sessions_due_together_roll_over_in_different_beats(engine):
 
 
 def test_reset_rolls_over_with_an_empty_capsule():
-    params = voicechat.init(jax.random.key(0), CFG, PREC)
+    params = shared.params(PREC)
     serve = ServeConfig(
         slots=1,
         frames_per_tick=FPT,
@@ -422,7 +421,7 @@ def test_five_minute_call_rolls_over_twice_at_the_real_thresholds(tmp_path):
     codec's streaming state is kept: the jump at a boundary is no larger than the call's own
     sample-to-sample steps); the tick compiled once."""
     n_ticks = 1875  # 300 s of 160 ms beats
-    params = voicechat.init(jax.random.key(0), CFG, PREC)
+    params = shared.params(PREC)
     serve = ServeConfig(
         slots=1, frames_per_tick=FPT, context_frames=1500, at_cap="memory", precision=PREC
     )

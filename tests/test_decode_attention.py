@@ -24,6 +24,7 @@ from pallas_kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
 )
+from tests import shared
 from voicechat_jax.config import tiny, voicechat_11b
 from voicechat_jax.model import attention
 from voicechat_jax.model.attention import AttentionImpl, attend
@@ -359,11 +360,10 @@ def test_tick_with_kernel_attention_matches_xla():
     as 'xla' everywhere."""
     from voicechat_jax.config import ServeConfig, tiny
     from voicechat_jax.engine import Engine
-    from voicechat_jax.model import voicechat
     from voicechat_jax.precision import Precision
 
     cfg, prec = tiny(), Precision.fp32()
-    params = voicechat.init(jax.random.key(0), cfg, prec)
+    params = shared.params(prec)
     outs = {}
     for llm, tts in (("xla", None), ("pallas", None), ("pallas", "xla")):
         serve = ServeConfig(
@@ -376,7 +376,8 @@ def test_tick_with_kernel_attention_matches_xla():
             precision=prec,
         )
         assert serve.tts_attention == (None if tts is None else AttentionImpl(tts))
-        engine = Engine(params, cfg, serve)
+        # One program per kernel choice (the staged admission programs are not under test).
+        engine = Engine(params, cfg, serve, template=shared.template(serve), staged=False)
         beat = engine.empty_beat()
         beat.admit[:] = True
         rng = np.random.default_rng(0)
@@ -411,7 +412,6 @@ def test_auto_kernels_are_the_measured_best_per_platform_and_slots():
     the kernel at and above it on a GPU; explicit choices stay; an engine makes the choice."""
     from voicechat_jax.config import AUTO_KERNELS, ServeConfig, SSMKernel, tiny
     from voicechat_jax.engine import Engine
-    from voicechat_jax.model import voicechat
     from voicechat_jax.precision import Precision
 
     auto = ServeConfig(slots=4)
@@ -433,9 +433,6 @@ def test_auto_kernels_are_the_measured_best_per_platform_and_slots():
     assert ServeConfig(slots=8).resolved("gpu").ssm_kernel is SSMKernel.PALLAS
 
     cfg, prec = tiny(), Precision.fp32()
-    engine = Engine(
-        voicechat.init(jax.random.key(0), cfg, prec),
-        cfg,
-        ServeConfig(slots=2, context_frames=8, precision=prec),
-    )
+    serve = ServeConfig(slots=2, context_frames=8, precision=prec)
+    engine = Engine(shared.params(prec), cfg, serve, template=shared.template(serve))
     assert engine.kernels == xla  # this machine has no GPU

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import shared
 from tests.test_staged_tick import mirror_agrees
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
@@ -34,7 +35,7 @@ BEAT = 2 * SPF
 
 @pytest.fixture(scope="module")
 def params():
-    return voicechat.init(jax.random.key(0), CFG, PREC)
+    return shared.params(PREC)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
+from tests import shared
 from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.engine import Engine, MemoryPlanError, build_template, plan_memory
-from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 
 CFG = tiny()
@@ -24,7 +24,7 @@ SERVE = ServeConfig(slots=16, frames_per_tick=2, context_frames=1500, precision=
 
 @pytest.fixture(scope="module")
 def engine():
-    params = voicechat.init(jax.random.key(0), CFG, PREC)
+    params = shared.params(PREC)
     return Engine(params, CFG, SERVE)
 
 

@@ -1,52 +1,116 @@
-"""The tick over a fake 4-device CPU mesh (``voicechat_jax.mesh``): same outputs, no collective.
+"""Every check on a fake 4-device CPU mesh: the slot axis over a ``data`` mesh
+(``voicechat_jax.mesh``: same outputs, no collective) and the LLM over a ``model`` axis (tensor
+parallelism), a checkpoint restored onto the mesh, and ``voicechat-serve --devices=N``.
 
-The mesh runs in a subprocess (``tests/mesh_worker.py``, started with
+The mesh runs in one subprocess (``tests/multidevice_worker.py``, started with
 ``--xla_force_host_platform_device_count=4``) so that this process, and the rest of the suite,
 keeps its one device; the tests assert on what the worker wrote. Measured there (tiny model,
 fp32, 8 slots, 2 per device): tokens and codes are bit-for-bit those of one device stepping all 8
 slots; the wav is within 1e-6 of it (XLA's CPU kernels round differently at batch 8 than at
 batch 2, ~2e-7 at most) and bit-for-bit that of one device stepping the same 2 slots.
+
+The worker compiles, as every process of the suite does, with ``tests/conftest.py``'s fast CPU
+code generation flags (the same for the one-device reference), inherited through ``XLA_FLAGS``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
+import chex
+import jax
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, Mesh
 
 from tests import mesh_worker as w
+from tests import tp_worker as tw
 from voicechat_jax import mesh as mesh_lib
+from voicechat_jax.config import LLMConfig, ServeConfig, tiny
+from voicechat_jax.model import nano
+from voicechat_jax.precision import Precision
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAV_ATOL = 1e-6  # one device at batch 8 against 4 devices at batch 2 (measured <= 2.4e-7)
 
 
-def _run_worker(out_dir, *args: str) -> dict:
+# voicechat-serve's refusals of device layouts it cannot serve, checked in the worker
+# (``cli.serve.main`` with 4 devices): flags, the message's start.
+SERVE_REFUSALS = [
+    ("--model_parallel=2", "--model_parallel=2 does not divide --devices=1"),
+    ("--devices=4 --model_parallel=3", "--model_parallel=3 does not divide --devices=4"),
+    (
+        "--devices=4 --model_parallel=2 --slots=3",
+        "--slots=3 does not split evenly over the 2 groups of --model_parallel=2 devices",
+    ),
+    (
+        "--devices=3 --model_parallel=3 --slots=3",
+        "--model_parallel=3: model_parallel=3 does not divide the LLM's n_heads=4",
+    ),
+    ("--devices=5 --slots=5", "--devices=5: this process has 4 cpu device(s)"),
+]
+
+
+@pytest.fixture(scope="module")
+def multidevice(nemo_tiny, tiny_cfg, tmp_path_factory) -> pathlib.Path:
+    """One run of ``tests/multidevice_worker.py`` on 4 fake CPU devices: every check of this file
+    that needs them (the data mesh, a checkpoint restored onto it, tensor parallelism, the
+    server's runs and refusals); returns its output directory."""
+    from tests.reference import nemo_ref
+    from voicechat_jax import convert
+    from voicechat_jax.precision import Precision
+
+    root = tmp_path_factory.mktemp("multidevice")
+    nemo_ref.save_release(nemo_tiny, tiny_cfg, root / "release")
+    llm_dir = nemo_tiny.release_cfg["model"]["stt"]["model"]["pretrained_llm"]
+    convert.convert(
+        root / "release",
+        root / "tiny",
+        llm_config=os.path.join(llm_dir, "config.json"),
+        tokenizer=os.path.join(llm_dir, "tokenizer.json"),
+        precision=Precision.fp32(),
+    )
+    out = root / "out"
+    out.mkdir()
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={w.DEVICES}"
     ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "tests.mesh_worker", str(out_dir), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    refusals = json.dumps(
+        [[f"--output_dir={out / 'refused'}", *f.split()] for f, _ in SERVE_REFUSALS]
+    )
+    cmd = [sys.executable, "-m", "tests.multidevice_worker", str(out),
+           "--checkpoint", str(root / "tiny"), "--serve_flags", refusals]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    with open(os.path.join(out_dir, "result.json")) as f:
-        return json.load(f)
+    return out
+
+
+def _results(out_dir: pathlib.Path) -> tuple[dict, dict]:
+    with open(out_dir / "result.json") as f:
+        result = json.load(f)
+    arrays = {}
+    if (out_dir / "arrays.npz").exists():
+        with np.load(out_dir / "arrays.npz") as a:
+            arrays = dict(a)
+    return result, arrays
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mesh")
-    result = _run_worker(out)
-    with np.load(os.path.join(out, "arrays.npz")) as a:
-        arrays = dict(a)
-    return result, arrays
+def worker(multidevice):
+    return _results(multidevice / "mesh")
+
+
+@pytest.fixture(scope="module")
+def tp(multidevice):
+    return _results(multidevice / "tp")
 
 
 def _admitted_slots() -> set[int]:
@@ -147,25 +211,9 @@ def test_resident_loop_refused_on_a_mesh(worker):
     assert "on a mesh use the dispatch loop" in result["resident_refused"]
 
 
-def test_restore_onto_the_mesh(nemo_tiny, tiny_cfg, tmp_path_factory):
+def test_restore_onto_the_mesh(multidevice):
     """``checkpoint.restore(sharding=replicated)``: every leaf on all 4 devices, same values."""
-    from tests.reference import nemo_ref
-    from voicechat_jax import convert
-    from voicechat_jax.precision import Precision
-
-    root = tmp_path_factory.mktemp("mesh_ckpt")
-    nemo_ref.save_release(nemo_tiny, tiny_cfg, root / "release")
-    llm_dir = nemo_tiny.release_cfg["model"]["stt"]["model"]["pretrained_llm"]
-    convert.convert(
-        root / "release",
-        root / "tiny",
-        llm_config=os.path.join(llm_dir, "config.json"),
-        tokenizer=os.path.join(llm_dir, "tokenizer.json"),
-        precision=Precision.fp32(),
-    )
-    out = root / "out"
-    out.mkdir()
-    result = _run_worker(out, "--checkpoint", str(root / "tiny"))
+    result, _ = _results(multidevice / "restore")
     assert result["leaves"] > 0
     assert result["replicated_on_mesh"] == result["leaves"]
     assert result["equal_to_one_device"]
@@ -202,50 +250,262 @@ def test_make_mesh_counts_local_devices():
         mesh_lib.make_mesh(2)
 
 
-def _serve(out_dir, devices: int, cache_dir) -> subprocess.Popen:
-    """``voicechat-serve --devices=N`` on the fake 4-device CPU mesh: 4 sessions, 2 joining late
-    and leaving early (churn), 5 beats on the offline clock, fp32, deterministic sampler."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={w.DEVICES}"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    # The second run takes the model's compiles (all but the tick's) from the first's cache.
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    flags = [
-        f"--devices={devices}",
-        f"--slots={w.DEVICES}",
-        f"--sessions={w.DEVICES}",
-        "--churn",
-        "--seconds=0.8",
-        "--clock=offline",
-        "--precision=fp32",
-        "--speech_sampling=deterministic",
-        f"--output_dir={out_dir}",
-    ]
-    cmd = [sys.executable, "-m", "voicechat_jax.cli.serve", *flags]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def test_serve_cli_on_four_devices_equals_one(tmp_path):
-    """``voicechat-serve --devices=4`` writes, session by session, the frames (text, function,
-    codes, transcript ids) that ``--devices=1`` writes (the same flags but the device count; one
-    run after the other, the second from the first's compilation cache)."""
-    for n in (1, w.DEVICES):
-        proc = _serve(tmp_path / f"d{n}", n, tmp_path / "jax_cache")
-        _, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"--devices={n}: {err.decode()[-3000:]}"
-    sessions = sorted(p.name for p in (tmp_path / "d1").iterdir() if p.is_dir())
+def test_serve_on_four_devices_equals_one(multidevice):
+    """The run ``voicechat-serve --devices=4`` makes writes, session by session, the frames (text,
+    function, codes, transcript ids) that ``--devices=1`` writes (the same options but the device
+    count: 4 sessions, 2 joining late and leaving early, 5 offline beats, fp32, deterministic)."""
+    out = multidevice / "serve"
+    sessions = sorted(p.name for p in (out / "d1").iterdir() if p.is_dir())
     assert len(sessions) == w.DEVICES
     total = 0
     for sid in sessions:
         rows = {
-            n: [json.loads(line) for line in (tmp_path / f"d{n}" / sid / "frames.jsonl").open()]
+            n: [json.loads(line) for line in (out / f"d{n}" / sid / "frames.jsonl").open()]
             for n in (1, w.DEVICES)
         }
         assert rows[w.DEVICES] == rows[1], sid
         total += len(rows[1])
     assert total >= 2 * w.DEVICES  # every session ran at least one beat
+
+
+@pytest.mark.parametrize(("flags", "message"), SERVE_REFUSALS, ids=[f for f, _ in SERVE_REFUSALS])
+def test_serve_refuses_a_layout_it_cannot_serve(multidevice, flags, message):
+    """``voicechat-serve`` refuses in one line (exit 2) before building anything."""
+    rows = json.loads((multidevice / "flags.json").read_text())
+    (row,) = [r for r in rows if r["argv"][1:] == flags.split()]
+    assert row["code"] == 2, row["stderr"][-3000:]
+    lines = row["stderr"].strip().splitlines()
+    assert len(lines) == 1, row["stderr"]
+    assert lines[0].startswith("voicechat-serve: ")
+    assert message in lines[0]
+    assert not (multidevice / "refused" / "metrics.jsonl").exists()
+
+
+# ---- tensor parallelism of the LLM over a ``model`` axis (``tests/tp_worker.py``) -----------
+#
+# Layouts ``(data=2, model=2)`` and ``(data=1, model=4)`` (the tiny preset's 2 KV heads and 2 Mamba
+# groups are then each held by 2 devices, and each gated-norm group spans 2) against one device
+# stepping the same 4 slots, fp32 policy, over a script with late admission, a release, a
+# roll-over with a capsule (the tick's prefill path) and a held slot.
+#
+# Tolerances. Tokens and codes must be bit for bit. The continuous values TP changes are the
+# LLM's: each row-parallel product is summed as m partial sums added by an all-reduce, a different
+# summation order than one device's dot, so the LLM state differs by rounding: measured at most
+# 1.9e-6 (values up to ~4) after 4 beats; ``STATE_ATOL`` is 1e-5. The wav depends on the LLM only
+# through the tokens; it differs only where the per-device batch does (XLA's CPU kernels round
+# differently at batch 2 than at 4: measured 1.6e-7 at (2, 2), 0 at (1, 4)): ``TP_WAV_ATOL``.
+
+STATE_ATOL = 1e-5  # LLM state after 4 beats, TP against one device (measured <= 1.9e-6)
+TP_WAV_ATOL = 1e-6  # per-device batch 2 against 4 (measured <= 1.6e-7)
+LAYOUTS = [f"d{d}m{m}" for d, m in tw.LAYOUTS]
+
+
+def _model(layout: str) -> int:
+    return int(layout.split("m")[1])
+
+
+def _data(layout: str) -> int:
+    return int(layout[1 : layout.index("m")])
+
+
+def test_tp_worker_ran_on_four_devices(tp):
+    result, _ = tp
+    assert result["devices"] == tw.DEVICES
+    assert {k: tuple(v["mesh_shape"].values()) for k, v in result.items() if k in LAYOUTS} == {
+        f"d{d}m{m}": (d, m) for d, m in tw.LAYOUTS
+    }
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_same_tokens_and_codes_as_one_device(tp, layout):
+    """Every beat, every slot that ran: text, function and codes bit for bit; wav to rounding."""
+    _, a = tp
+    for k in range(tw.BEATS):
+        for f in ("ran", "active", "frame", "reseeded"):
+            np.testing.assert_array_equal(a[f"{layout}/beat{k}/{f}"], a[f"one/beat{k}/{f}"])
+        ran = a[f"one/beat{k}/ran"]
+        assert ran.any()
+        for f in ("text", "function", "codes"):
+            np.testing.assert_array_equal(
+                a[f"{layout}/beat{k}/{f}"][ran], a[f"one/beat{k}/{f}"][ran], err_msg=f"{k} {f}"
+            )
+        wav = a[f"one/beat{k}/wav"][ran]
+        assert np.abs(wav).max() > 1e-2  # real audio on both sides, not silence
+        np.testing.assert_allclose(a[f"{layout}/beat{k}/wav"][ran], wav, rtol=0, atol=TP_WAV_ATOL)
+    # the script did what it says: a roll-over (prefill in the tick), a held slot, a late joiner
+    assert a[f"one/beat{tw.RESEED[0]}/reseeded"][tw.RESEED[1]]
+    assert not a[f"one/beat{tw.HOLD[0]}/ran"][tw.HOLD[1]]
+    assert len({tuple(a[f"one/beat{k}/text"][ran].ravel()) for k in range(tw.BEATS)}) > 1
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_llm_state_equals_one_device_to_rounding(tp, layout):
+    """The final LLM state, back in the one-device layout (``nano.state_from_tensor_parallel``:
+    each channel and KV head from its first holder), equals one device's within STATE_ATOL."""
+    _, a = tp
+    n = sum(k.startswith("one/llm_state/") for k in a)
+    assert n == len(jax.tree_util.tree_leaves(nano.init_state(tw.CFG.llm, 1, 2, tw.PREC)))
+    one = [a[f"one/llm_state/{i}"] for i in range(n)]
+    tp = [a[f"{layout}/llm_state/{i}"] for i in range(n)]
+    chex.assert_trees_all_equal_shapes_and_dtypes(tp, one)
+    chex.assert_trees_all_close(tp, one, rtol=0, atol=STATE_ATOL)
+    assert one[-1].min() > tw.TEMPLATE_LENGTH  # length: the slots advanced past the template
+
+
+def _per_step(layout: str) -> int:
+    """All-reduces of one LLM frame step: one per layer (its row-parallel product), plus one per
+    Mamba layer for the gated norm when a B/C group spans devices."""
+    llm = tw.CFG.llm
+    norm_ranks = nano.shard_config(llm, _model(layout)).norm_ranks
+    return len(llm.pattern) + (norm_ranks > 1) * len(llm.layers_of("M"))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_only_all_reduces_over_the_model_axis(tp, layout):
+    """The compiled tick's only collectives are all-reduces within the ``model`` groups: one LLM
+    frame step's (``_per_step``, inside the frame loop) and the roll-over prefill's, which has
+    the same less the last layer's product (the prefill's hidden state is dropped, so XLA removes
+    that product and its all-reduce; the tiny pattern ends with an attention layer)."""
+    result, _ = tp
+    r = result[layout]
+    assert tw.CFG.llm.pattern[-1] == "*"
+    expected = _per_step(layout) + (_per_step(layout) - 1)
+    assert r["collectives"] == {"all-reduce": expected}
+    model_groups = [list(g) for g in r["model_groups"]]
+    assert len(model_groups) == _data(layout)
+    assert r["all_reduce_groups"] == [[model_groups, expected]]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_llm_state_sharded_over_model(tp, layout):
+    """Each device keeps its slots' share of the heads: SSM state and KV caches split on their
+    head axis, the conv state on its channels; everything else split by slot only."""
+    result, _ = tp
+    r, llm = result[layout], tw.CFG.llm
+    m, slots = _model(layout), tw.SLOTS // _data(layout)
+    local = nano.shard_config(llm, m)
+    S = tw.TEMPLATE_LENGTH + tw.SERVE.context_frames
+    assert r["state"] == {
+        "ssm": {
+            "spec": ["data", "model"],
+            "shard": [slots, llm.mamba_heads // m, llm.mamba_head_dim, llm.ssm_state],
+        },
+        "conv": {
+            "spec": ["data", None, None, "model"],
+            "shard": [slots, len(llm.layers_of("M")), llm.conv_kernel - 1, local.conv_dim],
+        },
+        "k": {"spec": ["data", "model"], "shard": [slots, local.n_kv_heads, S, llm.head_dim]},
+        "v": {"spec": ["data", "model"], "shard": [slots, local.n_kv_heads, S, llm.head_dim]},
+        "length": {"spec": ["data"], "shard": [slots]},
+    }
+    assert r["state_leaves_sharded_over_model"] == r["state_leaves_llm"] - 1  # all but length
+    assert r["other_state_specs"] == ["['data']"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_llm_weights_sharded_megatron_style(tp, layout):
+    result, _ = tp
+    r, llm = result[layout], tw.CFG.llm
+    m = _model(layout)
+    local = nano.shard_config(llm, m)
+    L_m, L_f, L_a = (len(llm.layers_of(c)) for c in "M-*")
+    D, NH = llm.d_model, llm.d_inner
+    column, row, head = [None, None, "model"], [None, "model", None], [None, "model"]
+    assert r["params"] == {
+        "in_proj": {"spec": column, "shard": [L_m, D, local.in_proj_dim]},
+        "conv_w": {"spec": column, "shard": [L_m, llm.conv_kernel, local.conv_dim]},
+        "A_log": {"spec": head, "shard": [L_m, llm.mamba_heads // m]},
+        "gate_norm": {"spec": head, "shard": [L_m, NH // m]},
+        "out_proj": {"spec": row, "shard": [L_m, NH // m, D]},
+        "q": {"spec": column, "shard": [L_a, D, llm.n_heads * llm.head_dim // m]},
+        "k": {"spec": column, "shard": [L_a, D, local.n_kv_heads * llm.head_dim]},
+        "o": {"spec": row, "shard": [L_a, llm.n_heads * llm.head_dim // m, D]},
+        "up": {"spec": column, "shard": [L_f, D, llm.mlp_dim // m]},
+        "down": {"spec": row, "shard": [L_f, llm.mlp_dim // m, D]},
+        "embed": {"spec": [], "shard": [llm.vocab_size, D]},
+        "lm_head": {"spec": [], "shard": [D, llm.vocab_size]},
+        "norm_f": {"spec": [], "shard": [D]},
+    }
+    assert r["other_params_specs"] == ["[]"]  # encoder, RNNT, speech decoder, codec replicated
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_compile_and_the_state_donated(tp, layout):
+    """One compilation of the tick for two runs of the script (a reset between), and every beat
+    consumed the previous state's buffers."""
+    result, _ = tp
+    assert result[layout]["compiles"] == 1
+    assert result[layout]["donated"] == [True] * tw.BEATS
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_tensor_parallel_layout_round_trip(m):
+    """The layout's index covers every one-device channel and KV head (a permutation where m
+    divides the groups and KV heads); a state there and back is unchanged."""
+    llm = tw.CFG.llm
+    idx = nano.tensor_parallel_index(llm, m)
+    local = nano.shard_config(llm, m)
+    assert len(idx["in_proj"]) == m * local.in_proj_dim
+    assert len(idx["conv"]) == m * local.conv_dim
+    assert set(idx["in_proj"]) == set(range(llm.in_proj_dim))
+    assert set(idx["conv"]) == set(range(llm.conv_dim))
+    assert set(idx["kv"].ravel()) == set(range(llm.n_kv_heads))
+    if llm.n_groups % m == 0 and llm.n_kv_heads % m == 0:
+        assert sorted(idx["in_proj"]) == list(range(llm.in_proj_dim))
+    rng = np.random.default_rng(m)
+    state = jax.tree_util.tree_map(
+        lambda x: rng.standard_normal(x.shape).astype(x.dtype),
+        jax.eval_shape(lambda: nano.init_state(llm, 2, 5, tw.PREC)),
+    )
+    back = nano.state_from_tensor_parallel(nano.state_to_tensor_parallel(state, llm, m), llm, m)
+    chex.assert_trees_all_equal(back, state)
+
+
+def test_indivisible_sizes_are_one_line_errors():
+    llm = tw.CFG.llm  # n_heads 4, n_kv_heads 2, mamba_heads 8, n_groups 2, mlp_dim 96
+    with pytest.raises(ValueError, match=r"^model_parallel=3 does not divide the LLM's n_heads=4$"):
+        nano.shard_config(llm, 3)
+    odd_groups = LLMConfig(**{**_fields(llm), "mamba_heads": 12, "n_groups": 3})
+    with pytest.raises(ValueError, match="model_parallel=2 and the LLM's n_groups=3: neither"):
+        nano.shard_config(odd_groups, 2)
+    wide = LLMConfig(**{**_fields(llm), "mlp_dim": 90})
+    with pytest.raises(ValueError, match="does not divide the LLM's mlp_dim=90"):
+        nano.shard_config(wide, 4)
+    serve = ServeConfig(slots=4, precision=Precision.fp32(), ssm_kernel="fused")
+    four = AbstractMesh((1, 4), (mesh_lib.DATA, mesh_lib.MODEL))
+    with pytest.raises(ValueError, match="ssm_kernel='fused' needs the LLM's n_groups=2"):
+        mesh_lib.local_config(tiny(), serve, four)
+    two = AbstractMesh((2, 2), (mesh_lib.DATA, mesh_lib.MODEL))
+    assert mesh_lib.local_config(tiny(), serve, two).llm.n_groups == 1  # fused is fine here
+    with pytest.raises(ValueError, match="model_parallel=2 does not divide the 1 devices"):
+        mesh_lib.make_mesh(1, model_parallel=2)
+
+
+def _fields(cfg: LLMConfig) -> dict:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def test_one_device_and_data_meshes_are_unchanged():
+    """Without a ``model`` axis: the same config, params and 1-D mesh as before."""
+    cfg = tiny()
+    serve = ServeConfig(slots=4, precision=Precision.fp32())
+    data = AbstractMesh((4,), (mesh_lib.DATA,))
+    assert mesh_lib.local_config(cfg, serve, data) is cfg
+    assert nano.shard_config(cfg.llm, 1) is cfg.llm
+    assert mesh_lib.make_mesh(1).axis_names == (mesh_lib.DATA,)
+    assert mesh_lib.make_mesh(1, model_parallel=1).axis_names == (mesh_lib.DATA, mesh_lib.MODEL)
+    assert mesh_lib.param_specs(data) == mesh_lib.P()
+
+
+def test_all_reduce_groups_reads_listed_and_iota_groups():
+    hlo = "\n".join(
+        [
+            "  %a = f32[4]{0} all-reduce(f32[4]{0} %p), replica_groups={{0,1},{2,3}}",
+            "  %b = f32[4]{0} all-reduce-start(f32[4]{0} %p), replica_groups=[2,2]<=[4]",
+            "  %c = f32[4]{0} all-reduce-done(f32[4]{0} %b)",
+            "  %d = f32[4]{0} all-reduce(f32[4]{0} %p), replica_groups=[2,2]<=[2,2]T(1,0)",
+            "  %all-reduce.9 = f32[4]{0} add(f32[4]{0} %p, f32[4]{0} %p)",
+        ]
+    )
+    rows = frozenset({(0, 1), (2, 3)})
+    assert mesh_lib.all_reduce_groups(hlo) == {rows: 2, frozenset({(0, 2), (1, 3)}): 1}

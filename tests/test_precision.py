@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import shared
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ServeConfig, tiny
@@ -127,7 +128,7 @@ def test_tf32_codec_reaches_only_the_codec_decoder():
 
 
 def test_bf16_speech_decoder_kv_serves():
-    params = voicechat.init(jax.random.key(0), CFG, Precision.bf16_tts_kv())
+    params = shared.params(Precision.bf16_tts_kv())
     engine = Engine(params, CFG, dataclasses.replace(SERVE, precision="bf16_tts_kv"))
     assert {a.dtype for a in (*engine.state.model.tts.k, *engine.state.model.tts.v)} == {
         jnp.dtype(jnp.bfloat16)

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import shared
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import PAD_ID, ServeConfig, tiny
 from voicechat_jax.engine import Engine
-from voicechat_jax.model import nano, voicechat
+from voicechat_jax.model import nano
 from voicechat_jax.precision import Precision
 
 CFG = tiny()
@@ -34,7 +35,7 @@ SERVE = ServeConfig(
 
 @pytest.fixture(scope="module")
 def engine():
-    params = voicechat.init(jax.random.key(0), CFG, PREC)
+    params = shared.params(PREC)
     return Engine(params, CFG, SERVE)
 
 

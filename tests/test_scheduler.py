@@ -15,10 +15,10 @@ import jax
 import numpy as np
 import pytest
 
+from tests import shared
 from voicechat_jax import buckets as buckets_lib
 from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.engine import Engine
-from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import runner
 from voicechat_jax.serving import scheduler as sched
@@ -208,7 +208,7 @@ def test_source_slots_and_retarget():
 
 @pytest.fixture(scope="module")
 def params():
-    return voicechat.init(jax.random.key(0), CFG, PREC)
+    return shared.params(PREC)
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,11 @@ import time
 import tracemalloc
 import wave
 
-import jax
 import numpy as np
 import pytest
 
+from tests import shared
 from voicechat_jax.config import ServeConfig, tiny
-from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import GcMonitor, read_wav
 from voicechat_jax.serving.server import Engine, Server, SessionPlan, write_session_outputs
@@ -31,7 +30,7 @@ SAMPLES_PER_OUT_FRAME = 1764
 
 @pytest.fixture(scope="module")
 def engine():
-    params = voicechat.init(jax.random.key(0), CFG, PREC)
+    params = shared.params(PREC)
     return Engine(
         params, CFG, ServeConfig(slots=3, frames_per_tick=2, context_frames=64, precision=PREC)
     )

@@ -15,10 +15,10 @@ import jax
 import numpy as np
 import pytest
 
+from tests import shared
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.engine import Engine
-from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 
 CFG = tiny()
@@ -27,7 +27,7 @@ PREC = Precision.fp32()
 
 @pytest.fixture(scope="module")
 def params():
-    return voicechat.init(jax.random.key(0), CFG, PREC)
+    return shared.params(PREC)
 
 
 def _beats(engine: Engine, n: int) -> list:

@@ -1,0 +1,78 @@
+"""What the suite builds once per process and shares: the tiny model's params, templates, engines.
+
+The tiny random model takes ~20 s to initialise op by op on a 2-core machine and ~10 s to compile
+one engine's tick, and a dozen test files used to rebuild them for themselves. Here each is built
+once per process (pytest-xdist runs two), jitted (``voicechat.init_compiled``: the persistent
+compilation cache of ``tests/conftest.py`` then serves the second worker and every subprocess),
+and handed out by configuration:
+
+- ``params(precision)``: the tiny model's params, key 0 (every engine test's weights);
+- ``template(serve)``: the fresh-session state; it depends only on the fields of ``ServeConfig``
+  that ``engine.template_fn`` reads, so engines that differ in slots, kernels or the cap policy
+  share it;
+- ``engine(serve, staged=...)``: one ``Engine`` per configuration, ``reset`` (every slot back to
+  the template, the compiled tick kept) each time it is handed out. Tests that count compiles of
+  a fresh engine, or that change an engine beyond its state, build their own.
+
+Nothing here may be mutated by a test.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from voicechat_jax import precision as precision_lib
+from voicechat_jax.config import ModelConfig, ServeConfig, tiny
+from voicechat_jax.engine import Engine, build_template
+from voicechat_jax.model import voicechat
+
+CFG: ModelConfig = tiny()
+
+
+def _policy(precision: precision_lib.Precision | str) -> precision_lib.Precision:
+    return precision_lib.POLICIES[precision]() if isinstance(precision, str) else precision
+
+
+def params(precision: precision_lib.Precision | str = "fp32") -> voicechat.ModelParams:
+    """The tiny model's random params under ``precision`` (key 0), built once per process."""
+    return _params(_policy(precision))
+
+
+@functools.cache
+def _params(precision: precision_lib.Precision) -> voicechat.ModelParams:
+    return jax.block_until_ready(voicechat.init_compiled(jax.random.key(0), CFG, precision))
+
+
+def _template_key(serve: ServeConfig) -> tuple:
+    """The fields of ``serve`` the fresh-session template depends on (``engine.template_fn``)."""
+    return (serve.precision, serve.context_frames, serve.system_prompt, serve.deterministic)
+
+
+@functools.cache
+def _template(key: tuple, serve: ServeConfig):
+    del key  # the cache's key; ``serve`` is the first configuration that asked for it
+    return jax.block_until_ready(build_template(params(serve.precision), CFG, serve))
+
+
+def template(serve: ServeConfig):
+    """The fresh-session state of ``serve`` on ``params(serve.precision)``."""
+    key = _template_key(serve)
+    first = _TEMPLATE_SERVES.setdefault(key, serve)
+    return _template(key, first)
+
+
+_TEMPLATE_SERVES: dict[tuple, ServeConfig] = {}
+
+
+@functools.cache
+def _engine(serve: ServeConfig, staged: bool | None) -> Engine:
+    return Engine(params(serve.precision), CFG, serve, template=template(serve), staged=staged)
+
+
+def engine(serve: ServeConfig, *, staged: bool | None = None) -> Engine:
+    """The shared engine of ``serve`` (on ``params(serve.precision)``), reset."""
+    e = _engine(serve, staged)
+    e.reset()
+    return e
