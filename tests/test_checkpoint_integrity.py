@@ -220,7 +220,7 @@ DAMAGE = {
     "shard file deleted": (_delete_shard_file, r"missing \(the conversion wrote it\)", True),
     "shard file truncated": (
         _truncate_shard_file,
-        r"truncated: [\d,]+ bytes, the conversion wrote [\d,]+",
+        r"size differs: [\d,]+ bytes, the conversion wrote [\d,]+",
         True,
     ),
     "shard file altered": (_alter_shard_file, r"altered or corrupt: sha256 [0-9a-f]{16}", False),

@@ -98,7 +98,7 @@ def test_readme_command_runs_the_embedded_default(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "beat latency ms p50/p99/p99.9/max" in proc.stdout
     assert "late, by cause" in proc.stdout
-    _check_outputs(str(tmp_path / "runs" / "serve"), sessions=4, ticks=62)
+    _check_outputs(str(tmp_path / "runs" / "serve" / "latest"), sessions=4, ticks=62)
 
 
 @pytest.mark.parametrize(("loop", "ssm_kernel"), [("dispatch", "pallas"), ("resident", "xla")])

@@ -281,30 +281,61 @@ class Checked:
     seconds: float
 
 
-def check(directory: str | os.PathLike, verify: Verify = Verify.FULL) -> Checked:
+def check(
+    directory: str | os.PathLike,
+    verify: Verify = Verify.FULL,
+    *,
+    manifest_sha256: str | None = None,
+) -> Checked:
     """Verifies a converted checkpoint without reading any array onto a device.
 
     Every file of ``integrity.json`` must be present with its size and (``Verify.FULL``) its
     sha256; the format must be this version's; ``model_config.json`` must parse and
     ``params/index.json`` must hold exactly the parameters that config implies, in their shapes.
+    With ``manifest_sha256``, ``integrity.json`` itself must have that sha256 (``verify_files``).
     Raises ``CheckpointError`` (one line: the file and what is wrong) on the first failure.
     """
     t0 = time.perf_counter()
     directory = os.path.abspath(os.fspath(directory))
-    listing = verify_files(directory, Verify(verify))
+    listing = verify_files(directory, Verify(verify), manifest_sha256=manifest_sha256)
     cfg, _, index = _read_meta(directory)
     _expected_leaves(directory, cfg, index)
     total = sum(f["bytes"] for f in listing.values())
     return Checked(directory, cfg, len(listing), total, Verify(verify), time.perf_counter() - t0)
 
 
-def verify_files(directory: str, verify: Verify) -> dict[str, dict]:
-    """The files of ``integrity.json``, each found with its size (and sha256); or raises."""
+def integrity_digest(directory: str | os.PathLike) -> str:
+    """The sha256 of a checkpoint's ``integrity.json`` (what ``manifest_sha256`` pins)."""
+    path = os.path.join(os.fspath(directory), INTEGRITY)
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, DIGEST).hexdigest()
+    except OSError as e:
+        raise CheckpointError(path, f"cannot be read: {e.strerror}") from e
+
+
+def verify_files(
+    directory: str, verify: Verify, *, manifest_sha256: str | None = None
+) -> dict[str, dict]:
+    """The files of ``integrity.json``, each found with its size (and sha256); or raises.
+
+    ``integrity.json`` checks the files against itself: it finds damage, not tampering (whoever
+    alters a file can rewrite its listing). ``manifest_sha256``, kept apart from the checkpoint
+    (printed by the converter), pins the listing and with ``Verify.FULL`` every byte it lists.
+    """
     if not os.path.isdir(directory):
         what = "not a directory" if os.path.exists(directory) else "no such directory"
         raise CheckpointError(directory, what)
     if not os.listdir(directory):
         raise CheckpointError(directory, "empty directory, not a converted checkpoint")
+    if manifest_sha256 is not None:
+        found = integrity_digest(directory)
+        if found != manifest_sha256.strip().lower():
+            raise CheckpointError(
+                os.path.join(directory, INTEGRITY),
+                f"sha256 {found[:16]}... is not the pinned {manifest_sha256[:16]}... "
+                "(--manifest_sha256): not the checkpoint that was pinned",
+            )
     listing = _read_integrity(directory)
     files = listing["files"]
     problems = []
@@ -316,9 +347,9 @@ def verify_files(directory: str, verify: Verify) -> dict[str, dict]:
             problems.append((path, "missing (the conversion wrote it)"))
             continue
         if size != want["bytes"]:
-            how = "truncated" if size < want["bytes"] else "grown"
+            # Only the size is known to differ (cut short, grown, or replaced): no guess.
             problems.append(
-                (path, f"{how}: {size:,} bytes, the conversion wrote {want['bytes']:,}")
+                (path, f"size differs: {size:,} bytes, the conversion wrote {want['bytes']:,}")
             )
     if verify is Verify.FULL and not problems:
         try:
@@ -451,13 +482,15 @@ def restore(
     device: jax.Device | None = None,
     sharding: jax.sharding.Sharding | None = None,
     verify: Verify = Verify.FULL,
+    manifest_sha256: str | None = None,
 ) -> tuple[config_lib.ModelConfig, voicechat.ModelParams, Callable[[np.ndarray], str] | None]:
     """(config, params on ``device``, text decoder or None) of a converted checkpoint.
 
     ``sharding`` places every leaf instead (e.g. ``mesh.replicated(m)``: a copy on each device of
     a mesh, read by orbax straight onto them); it overrides ``device``.
 
-    The files are verified first (``check``'s ``verify``: ``Verify.SIZES`` skips the digests).
+    The files are verified first (``check``'s ``verify``: ``Verify.SIZES`` skips the digests;
+    ``manifest_sha256``: the sha256 ``integrity.json`` must have, ``verify_files``).
     Each leaf is read by orbax straight onto the device in ``precision``'s dtype (orbax casts on
     the host while reading when the checkpoint was written in another policy). Without a
     precomputed text table it is computed here, on the device, from the checkpoint's char table,
@@ -466,7 +499,7 @@ def restore(
     ``CheckpointError`` (one line: the file and what is wrong).
     """
     directory = os.path.abspath(os.fspath(directory))  # orbax refuses relative paths
-    verify_files(directory, Verify(verify))
+    verify_files(directory, Verify(verify), manifest_sha256=manifest_sha256)
     cfg, manifest, index = _read_meta(directory)
     stored = index["leaves"]
     has_table = TEXT_TABLE in stored

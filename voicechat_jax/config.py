@@ -464,6 +464,15 @@ class ServeConfig:
             if value is not None or field != "tts_attention":
                 object.__setattr__(self, field, _choice(cls, value, field))
 
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Raises ValueError (one line) when this config does not fit ``cfg``: a system prompt
+        id outside the LLM's vocabulary [0, V) (the embedding would read past its table)."""
+        V = cfg.llm.vocab_size
+        bad = [i for i in self.system_prompt if not 0 <= i < V]
+        if bad:
+            shown = ", ".join(str(i) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+            raise ValueError(f"system prompt id(s) {shown} outside the vocabulary [0, {V})")
+
     def resolved(self, platform: str | None = None, slots: int | None = None) -> ServeConfig:
         """This configuration with every 'auto' kernel choice made (``AUTO_KERNELS``).
 

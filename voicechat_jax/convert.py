@@ -590,6 +590,12 @@ def convert(
     if dst is None:
         raise ConversionError("no destination given")
     dst = os.path.abspath(os.fspath(dst))
+    inside = os.path.realpath(dst), os.path.realpath(src)
+    if os.path.commonpath(inside) == inside[1]:
+        raise ConversionError(
+            f"{dst} is inside the release directory {os.path.abspath(src)}: write the "
+            "checkpoint elsewhere"
+        )
     if os.path.lexists(dst):
         raise ConversionError(f"{dst} already exists; refusing to overwrite it")
     parent = os.path.dirname(dst)
@@ -618,8 +624,9 @@ def convert(
                 raise ConversionError(f"reading {release.path} failed: {hasher.error}")
             manifest = _manifest(plan, release_cfg, hasher.digest, revision, llm_config, tokenizer)
             manifest["text_table"] = table_mode
-            _write_meta(tmp, plan.cfg, manifest, release_cfg, llm_cfg, tokenizer)
-            ckpt.write_integrity(tmp, digests)
+            with uninterrupted():  # a signal while these are written is raised before the rename
+                _write_meta(tmp, plan.cfg, manifest, release_cfg, llm_cfg, tokenizer)
+                ckpt.write_integrity(tmp, digests)
             os.rename(tmp, dst)
             tmp = None
         except OSError as e:  # the disk: full, read-only, removed under us

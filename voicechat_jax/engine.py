@@ -433,6 +433,7 @@ def template_fn(cfg: ModelConfig, serve: ServeConfig) -> Callable:
     """params -> the fresh-session state for ``serve``, traced in its policy's matmul scope (what
     ``build_template`` compiles; traceable, e.g. by ``jax.eval_shape``)."""
     precision = serve.precision
+    serve.check_model(cfg)  # ids past the vocabulary would read past the embedding table
 
     def initial(p):
         with precision.scope():

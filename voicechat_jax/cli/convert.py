@@ -16,16 +16,32 @@ line on stderr, ``voicechat-convert: <what went wrong>``, and a non-zero exit: 2
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import typing
 from collections.abc import Iterator
 
-from absl import app, flags, logging
 
-from voicechat_jax import checkpoint as ckpt
-from voicechat_jax.convert import SHARD_BYTES, ConversionError, Interrupted, convert
-from voicechat_jax.precision import Precision
+def _stop_before_start(signum: int, frame) -> None:
+    """SIGINT / SIGTERM while the modules load or the flags are read: nothing is written yet, so
+    exit at once. Installed before JAX is imported: the default KeyboardInterrupt would be lost if
+    it landed in JAX's garbage-collection callback (printed as ignored, the conversion going on),
+    and a process started in the background of a script inherits SIGINT ignored."""
+    name = signal.Signals(signum).name
+    os.write(2, f"voicechat-convert: interrupted by {name}; nothing was written\n".encode())
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "voicechat-convert":
+    for _signum in (signal.SIGINT, signal.SIGTERM):  # the program only, not an importer
+        signal.signal(_signum, _stop_before_start)
+
+from absl import app, flags, logging  # noqa: E402
+
+from voicechat_jax import checkpoint as ckpt  # noqa: E402
+from voicechat_jax.convert import SHARD_BYTES, ConversionError, Interrupted, convert  # noqa: E402
+from voicechat_jax.precision import Precision  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("src", None, "The release directory: config.json + model.safetensors.")
@@ -50,8 +66,19 @@ flags.DEFINE_enum(
 )
 
 
-@flags.multi_flags_validator(["src", "dst", "dry_run", "check"])
+flags.DEFINE_string(
+    "manifest_sha256",
+    None,
+    "With --check: the sha256 the checkpoint's integrity.json must have (printed when it was "
+    "written), pinning every file it lists (integrity.json alone guards against damage, not "
+    "tampering).",
+)
+
+
+@flags.multi_flags_validator(["src", "dst", "dry_run", "check", "manifest_sha256"])
 def _flags_agree(values: dict) -> bool:
+    if values["manifest_sha256"] and not values["check"]:
+        raise flags.ValidationError("--manifest_sha256 goes with --check")
     if values["check"]:
         if values["src"] or values["dst"] or values["dry_run"]:
             raise flags.ValidationError("--check takes no --src, --dst or --dry_run")
@@ -101,24 +128,37 @@ class Signals:
     ``uninterrupted``. After the first signal both go back to their default: a second one while
     the partial directory is being removed ends the process at once (the next conversion to the
     same ``--dst`` removes what is left).
+
+    A signal is also kept (``received``) and raised again by ``poll`` (called on every bit of
+    progress and around every save): an exception raised by a signal handler is lost when it lands
+    in a callback that Python runs for the interpreter (JAX's garbage-collection callback), and
+    the conversion would go on to the end.
     """
 
     def __init__(self):
         self._depth, self._pending = 0, None
+        self.received: int | None = None
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.received = signum
         if self._depth:
             self._pending = signum
             return
         raise Interrupted(signum)
 
+    def poll(self) -> None:
+        """Raises ``Interrupted`` when a signal came (outside ``held``)."""
+        if self.received is not None and not self._depth:
+            raise Interrupted(self.received)
+
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """Signals arriving inside are raised when it ends."""
+        self.poll()
         self._depth += 1
         try:
             yield
@@ -127,11 +167,12 @@ class Signals:
             if not self._depth and self._pending is not None:
                 signum, self._pending = self._pending, None
                 raise Interrupted(signum)
+            self.poll()
 
 
-def _check(directory: str, verify: ckpt.Verify) -> None:
+def _check(directory: str, verify: ckpt.Verify, manifest_sha256: str | None) -> None:
     try:
-        done = ckpt.check(directory, verify)
+        done = ckpt.check(directory, verify, manifest_sha256=manifest_sha256)
     except Interrupted as e:
         _fail(str(e), 128 + e.signum)
     except ckpt.CheckpointError as e:
@@ -147,11 +188,18 @@ def main(argv: list[str]) -> None:
         _fail(f"unexpected arguments {argv[1:]} {_FLAGS_HINT}", 2)
     signals = Signals()
     if FLAGS.check:
-        _check(FLAGS.check, ckpt.Verify(FLAGS.verify))
+        _check(FLAGS.check, ckpt.Verify(FLAGS.verify), FLAGS.manifest_sha256)
         return
+    existed = bool(FLAGS.dst) and os.path.lexists(FLAGS.dst)
     precision = Precision.fp32() if FLAGS.precision == "fp32" else Precision.reference()
     logging.info("converting %s -> %s (%s)", FLAGS.src, FLAGS.dst, precision)
     bar = None if FLAGS.dry_run else _ProgressBar.make()
+
+    def progress(done: int, total: int) -> None:
+        signals.poll()
+        if bar is not None:
+            bar(done, total)
+
     try:
         try:
             result = convert(
@@ -161,7 +209,7 @@ def main(argv: list[str]) -> None:
                 llm_config=FLAGS.llm_config,
                 dry_run=FLAGS.dry_run,
                 precision=precision,
-                progress=bar,
+                progress=None if FLAGS.dry_run else progress,
                 revision=FLAGS.revision,
                 text_table=FLAGS.text_table,
                 shard_bytes=FLAGS.shard_bytes,
@@ -171,6 +219,8 @@ def main(argv: list[str]) -> None:
             if bar is not None:
                 bar.close()
     except Interrupted as e:
+        if not FLAGS.dry_run and not existed and os.path.lexists(FLAGS.dst):  # after the rename
+            _fail(f"{e} after {FLAGS.dst} was written whole", 128 + e.signum)
         _fail(
             f"{e}" + ("" if FLAGS.dry_run else f"; nothing was written to {FLAGS.dst}"),
             128 + e.signum,
@@ -180,7 +230,14 @@ def main(argv: list[str]) -> None:
     except Exception as e:  # a bug: still one line, the traceback at --verbosity=1
         logging.debug("the conversion failed", exc_info=True)
         _fail(f"{type(e).__name__}: {e} (--verbosity=1 logs the traceback)")
-    print(result.listing if FLAGS.dry_run else f"wrote {result.dst} in {result.seconds:.0f} s")
+    if FLAGS.dry_run:
+        print(result.listing)
+        return
+    digest = ckpt.integrity_digest(result.dst)
+    print(
+        f"wrote {result.dst} in {result.seconds:.0f} s; its integrity.json has sha256 {digest} "
+        "(keep it apart and pass --manifest_sha256 to trust nothing else)"
+    )
 
 
 _FLAGS_HINT = "(--helpshort lists the flags)"

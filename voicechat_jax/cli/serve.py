@@ -3,7 +3,10 @@ r"""voicechat-serve: serve full-duplex voice sessions on the beat clock.
 With no flags it runs the embedded default: the ``tiny`` model with random weights, the bundled
 speech recording, 4 sessions for 10 s on the real-time clock. It prints the latency and miss table
 and streams, per session, ``output.wav`` (22.05 kHz), ``frames.jsonl`` and, where a tokenizer is
-available, ``transcript.txt``; plus ``metrics.jsonl`` and ``sessions.json`` for the run.
+available, ``transcript.txt``; plus ``metrics.jsonl`` and ``sessions.json`` for the run. They go
+into ``--output_dir``, by default a new ``runs/serve/<YYYYmmdd-HHMMSS>/`` for each run
+(``runs/serve/latest`` links to it); a directory another run is using is refused, and one that
+holds a finished run unless ``--overwrite`` (``serving.outdir``).
 
   voicechat-serve --checkpoint=checkpoints/voicechat_11b --slots=32 --sessions=32 --seconds=80
 
@@ -25,19 +28,24 @@ groups, and within a group the LLM's weights and state split over its M devices 
 parallelism: one all-reduce per LLM layer; the rest of the model runs on each of the M). More
 than one host: one server per host (or per GPU) behind a router, docs/fleet.md.
 
-Flags are checked before anything is built; a bad one is refused in one line. SIGTERM or SIGINT
-drains the server (no new session, the beat in flight finished, every live session ended with a
-``shutdown`` event, its files closed) and exits within ``--drain_timeout_s``; a second signal exits
-at once.
+Flags are checked before anything is built (with the ``--listen`` address resolved and bound
+once, the ``--system_prompt`` ids checked against the model's vocabulary); a bad one is refused
+in one line. Compiles go to JAX's persistent cache (``--compilation_cache_dir``), so that a second
+start is fast; the time to ready is logged. SIGTERM, SIGINT or SIGHUP drains the server (no new
+session, the beat in flight finished, every live session ended with a ``shutdown`` event, its
+files closed) and exits within ``--drain_timeout_s``; a second signal exits at once.
 
 Exit status: 0 served (or drained) with no failed session; 1 could not run (a checkpoint that
-cannot be restored, an output that cannot be written, a drain past its timeout); 2 bad flags;
-3 served, but at least one session failed (rejected input file, bad audio, vanished client;
-sessions refused at capacity do not count); 128 + N on a second signal N.
+cannot be restored, an output that cannot be written or that another run is using, a drain past
+its timeout); 2 bad flags (an output directory holding a finished run, without ``--overwrite``);
+3 served, but at least one scripted session failed (rejected input file, bad audio; sessions
+refused at capacity do not count, nor live calls that their clients ended badly: those end as
+``client error``); 128 + N on a second signal N.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -50,19 +58,30 @@ from absl import app, flags, logging
 
 from voicechat_jax import config as config_lib
 from voicechat_jax import precision as precision_lib
-from voicechat_jax.serving import runner
+from voicechat_jax.serving import outdir, runner
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_SESSIONS_FAILED = 3
+DEFAULT_RUNS = "runs/serve"  # each run without --output_dir gets a folder of its own here
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "A converted checkpoint directory (voicechat-convert).")
+flags.DEFINE_string(
+    "manifest_sha256",
+    None,
+    "With --checkpoint: the sha256 its integrity.json must have (printed by voicechat-convert), "
+    "pinning every file it lists: integrity.json alone guards against damage, not tampering.",
+)
 flags.DEFINE_string("model", "tiny", "Preset used without --checkpoint (random weights).")
 flags.DEFINE_integer("slots", 4, "Slots the state is sized for (capacity).")
 flags.DEFINE_integer("sessions", 4, "Scripted sessions to run (over --slots are refused).")
-flags.DEFINE_float("seconds", 10.0, "Length of the run.")
+flags.DEFINE_float(
+    "seconds",
+    10.0,
+    "Length of the run, finite (with --listen, leave it out to serve until stopped).",
+)
 flags.DEFINE_integer("frames_per_tick", 2, "Model frames per beat (2 = 160 ms).")
 flags.DEFINE_integer("context_frames", 1500, "Per-session context cap in frames (1500 = 120 s).")
 flags.DEFINE_enum(
@@ -88,7 +107,26 @@ flags.DEFINE_float(
     "deadline_ms", None, "Beat deadline in ms after the beat's start (default: the beat period)."
 )
 flags.DEFINE_multi_string("input_wav", None, "16 kHz mono WAV(s); sessions take them in turn.")
-flags.DEFINE_string("output_dir", "runs/serve", "Where per-session outputs and metrics go.")
+flags.DEFINE_string(
+    "output_dir",
+    None,
+    f"Where per-session outputs and metrics go (default: a new {DEFAULT_RUNS}/<YYYYmmdd-HHMMSS>/ "
+    f"for each run, {DEFAULT_RUNS}/latest linked to it). A directory another run is using is "
+    "refused, and one that holds a finished run unless --overwrite.",
+)
+flags.DEFINE_bool(
+    "overwrite",
+    False,
+    "Write into an --output_dir that holds a finished run (its files are replaced as the new "
+    "run writes them).",
+)
+flags.DEFINE_string(
+    "compilation_cache_dir",
+    None,
+    "JAX's persistent compilation cache, so that a second start skips the compiles (default: "
+    "$JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/voicechat_jax/xla, under $XDG_CACHE_HOME "
+    "if set; '' turns it off).",
+)
 flags.DEFINE_enum(
     "loop",
     "dispatch",
@@ -190,17 +228,41 @@ flags.DEFINE_string(
 )
 flags.DEFINE_float("idle_timeout_s", 10.0, "With --listen: a call with no audio this long ends.")
 flags.DEFINE_bool("record_calls", False, "With --listen: write each call's files to --output_dir.")
+flags.DEFINE_string(
+    "api_key_file",
+    None,
+    "With --listen: calls and /capacity need the key in this file (Authorization: Bearer KEY); "
+    "default $VOICECHAT_API_KEY, else no key.",
+)
+flags.DEFINE_list(
+    "allowed_origins",
+    [],
+    "With --listen: the browser origins (scheme://host[:port]) besides the server's own that may "
+    "open calls; others are refused. Empty: any.",
+)
 
 flags.register_validator("slots", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("devices", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("model_parallel", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("sessions", lambda v: v >= 1, "must be >= 1")
-flags.register_validator("seconds", lambda v: v > 0, "must be > 0")
+flags.register_validator(
+    "seconds",
+    lambda v: 0 < v < math.inf,
+    "must be > 0 and finite (with --listen, leave it out to serve until stopped)",
+)
 flags.register_validator("frames_per_tick", lambda v: v >= 1, "must be >= 1")
 flags.register_validator("warmup_ticks", lambda v: v >= 0, "must be >= 0")
 flags.register_validator("drain_timeout_s", lambda v: v > 0, "must be > 0")
 flags.register_validator("idle_timeout_s", lambda v: v > 0, "must be > 0")
 flags.register_validator("admission_queue_s", lambda v: v >= 0, "must be >= 0")
+
+
+@flags.validator("api_key_file", "must be a readable file that holds the key")
+def _check_api_key_file(path: str | None) -> bool:
+    try:
+        return path is None or bool(open(path, encoding="utf-8").read().strip())
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 @flags.validator("listen", "expected HOST:PORT with a port in [0, 65535]")
@@ -278,14 +340,28 @@ def _check_max_live(values: dict) -> bool:
     return True
 
 
+@flags.multi_flags_validator(["manifest_sha256", "checkpoint"])
+def _check_manifest(values: dict) -> bool:
+    digest = values["manifest_sha256"]
+    if digest is None:
+        return True
+    if not values["checkpoint"]:
+        raise flags.ValidationError("--manifest_sha256 goes with --checkpoint")
+    if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
+        raise flags.ValidationError("--manifest_sha256 must be 64 hex digits (a sha256)")
+    return True
+
+
 @flags.validator("system_prompt", "token ids must be non-negative integers, comma-separated")
 def _check_prompt(ids: list[str]) -> bool:
     return all(x.strip().isdigit() for x in ids)
 
 
 @flags.validator("output_dir")
-def _check_output_dir(path: str) -> bool:
-    """The directory exists or can be made, and a file can be written in it."""
+def _check_output_dir(path: str | None) -> bool:
+    """The directory (or, by default, the folder of runs) exists or can be made, and a file can
+    be written in it."""
+    path = DEFAULT_RUNS if path is None else path
     if os.path.exists(path) and not os.path.isdir(path):
         raise flags.ValidationError("exists and is not a directory")
     try:
@@ -315,17 +391,23 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as e:
         _fail(str(e).replace("\n", " "), EXIT_USAGE)
         raise  # not reached
+    except SystemExit:  # absl's --help, --helpfull, ...: printed, then sys.exit(1)
+        sys.stdout.flush()
+        sys.exit(EXIT_OK)
 
 
 class _Signals:
-    """SIGTERM / SIGINT: the first drains the server, a second exits at once.
+    """SIGTERM / SIGINT / SIGHUP: the first drains the server, a second exits at once.
+
+    SIGHUP (the terminal closed, the SSH session dropped) drains like SIGTERM, unless the
+    process was started ignoring it (``nohup``): then it is left ignored.
 
     The work is done by a watcher thread woken through ``signal.set_wakeup_fd``, not in the Python
     handler: during the resident loop the main thread sits in one long XLA call, and a Python
     handler would not run before it returns.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self, stop: threading.Event, drain_timeout_s: float):
         self.stop = stop
@@ -336,6 +418,8 @@ class _Signals:
         os.set_blocking(write_fd, False)
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         for sig in self.SIGNALS:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # nohup: the user asked for the server to outlive the terminal
             signal.signal(sig, self._handler)
         threading.Thread(target=self._watch, args=(read_fd,), name="signals", daemon=True).start()
 
@@ -405,7 +489,7 @@ def options_from_flags() -> runner.RunOptions:
         sessions=sessions,
         seconds=seconds,
         input_wavs=tuple(FLAGS.input_wav or ()),
-        output_dir=FLAGS.output_dir,
+        output_dir=DEFAULT_RUNS if FLAGS.output_dir is None else FLAGS.output_dir,
         loop=FLAGS.loop,
         clock=FLAGS.clock,
         devices=FLAGS.devices,
@@ -415,14 +499,59 @@ def options_from_flags() -> runner.RunOptions:
         warmup_ticks=FLAGS.warmup_ticks,
         gc_policy=FLAGS.gc_policy,
         listen=listen,
-        net={"idle_timeout_s": FLAGS.idle_timeout_s, "record_calls": FLAGS.record_calls},
+        net={
+            "idle_timeout_s": FLAGS.idle_timeout_s,
+            "record_calls": FLAGS.record_calls,
+            "api_key_file": FLAGS.api_key_file,
+            "allowed_origins": tuple(FLAGS.allowed_origins),
+        },
         scheduler=FLAGS.scheduler,
         buckets=tuple(int(x) for x in FLAGS.buckets),
         shrink_after=FLAGS.shrink_after,
         rollovers_per_beat=FLAGS.rollovers_per_beat,
         max_live=FLAGS.max_live,
         admission_queue_s=FLAGS.admission_queue_s,
+        overwrite=FLAGS.overwrite,
+        manifest_sha256=FLAGS.manifest_sha256,
+        started=time.monotonic() - _process_age_s(),
     )
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (Linux ``/proc``; 0 elsewhere: from now)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+def compilation_cache_dir() -> str | None:
+    """Where JAX's persistent compilation cache goes: ``--compilation_cache_dir`` if given ('':
+    none), else ``$JAX_COMPILATION_CACHE_DIR`` if set, else the user's cache directory."""
+    if FLAGS.compilation_cache_dir is not None:
+        return FLAGS.compilation_cache_dir or None
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "voicechat_jax", "xla")
+
+
+def _preflight(options: runner.RunOptions) -> None:
+    """What can be refused before anything is built, each in one line with exit 2: an address
+    that cannot be listened on, system prompt ids past the model's vocabulary."""
+    if options.listen:
+        from voicechat_jax.serving.net import check_listen  # aiohttp: only when listening
+
+        try:
+            check_listen(options.listen)
+        except ValueError as e:
+            _fail(str(e), EXIT_USAGE)
+    try:
+        runner.check_model(options)
+    except ValueError as e:
+        _fail(f"--system_prompt: {e}", EXIT_USAGE)
 
 
 def main(argv: list[str]) -> None:
@@ -431,7 +560,16 @@ def main(argv: list[str]) -> None:
     from voicechat_jax.checkpoint import CheckpointError  # orbax: imported once flags are good
 
     options = options_from_flags()
+    _preflight(options)
     import jax  # the device count is known once the backend starts
+
+    cache = compilation_cache_dir()
+    if cache is not None:
+        # Compiles are most of a start-up: a second start loads them instead. JAX keys each
+        # entry by program, compile options, jaxlib version and device.
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    logging.info("compilation cache: %s", cache or "off")
 
     if options.devices > jax.local_device_count():
         _fail(
@@ -443,6 +581,11 @@ def main(argv: list[str]) -> None:
         runner.check_model_parallel(options)  # the LLM must split over the model groups
     except ValueError as e:
         _fail(f"--model_parallel={options.model_parallel}: {e}", EXIT_USAGE)
+    if FLAGS.output_dir is None:
+        try:
+            options = dataclasses.replace(options, output_dir=outdir.new_run_dir(DEFAULT_RUNS))
+        except (OSError, outdir.OutputDirError) as e:
+            _fail(f"--output_dir: {e}", EXIT_ERROR)
     logging.info("serving with %s", options)
     stop = threading.Event()
     signals = _Signals(stop, FLAGS.drain_timeout_s)
@@ -450,6 +593,10 @@ def main(argv: list[str]) -> None:
         result = runner.run(options, stop=stop)
     except CheckpointError as e:
         _fail(f"checkpoint {FLAGS.checkpoint}: {e}", EXIT_ERROR)
+    except outdir.OutputDirFinishedError as e:
+        _fail(str(e), EXIT_USAGE)
+    except outdir.OutputDirError as e:
+        _fail(str(e), EXIT_ERROR)
     except OSError as e:
         _fail(f"error: {e}", EXIT_ERROR)
     drain_s = signals.drained()
@@ -471,12 +618,17 @@ def main(argv: list[str]) -> None:
     os._exit(code)
 
 
+def register_help(program: str) -> None:
+    """absl's --help lists the key flags of the main module, taken to be ``program``
+    (``sys.argv[0]``: the console script, which defines none): make every flag of this module
+    one of its key flags."""
+    for flag in FLAGS.get_key_flags_for_module(__name__):
+        FLAGS.register_key_flag_for_module(program, flag)
+
+
 def run() -> None:
     """Console-script entry point."""
-    # absl's --help lists the key flags of the main module, taken to be sys.argv[0]: the console
-    # script, which defines none. Make this module's flags that module's key flags.
-    for flag in FLAGS.get_key_flags_for_module(__name__):
-        FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    register_help(sys.argv[0])
     app.run(main, flags_parser=_parse_flags)
 
 

@@ -12,7 +12,9 @@ only as a short read. Output is written with ``wave`` (PCM16).
 
 from __future__ import annotations
 
+import mmap
 import os
+import stat
 import struct
 import wave
 
@@ -26,6 +28,9 @@ _FORMAT_PCM = 0x0001
 _FORMAT_FLOAT = 0x0003
 _FORMAT_EXTENSIBLE = 0xFFFE
 _UNKNOWN_SIZE = 0xFFFFFFFF  # data size left unset by streaming writers (e.g. ffmpeg to a pipe)
+# Samples read from one file at most (an hour at 16 kHz): past them a file is not read. A run
+# reads less: the frames it can serve (``runner``), at most the context cap when sessions end there.
+MAX_WAV_SAMPLES = 3600 * INPUT_RATE
 
 
 class AudioInputError(ValueError):
@@ -41,8 +46,11 @@ class AudioInputError(ValueError):
 # Reading WAV files
 
 
-def _parse_riff(path: str, data: bytes) -> tuple[dict[str, int], bytes]:
-    """Returns the ``fmt `` fields and the ``data`` chunk's bytes of a RIFF/WAVE file."""
+def _parse_riff(
+    path: str, data: bytes | mmap.mmap, max_samples: int | None = None
+) -> tuple[dict[str, int], bytes]:
+    """Returns the ``fmt `` fields and the ``data`` chunk's bytes of a RIFF/WAVE file (its first
+    ``max_samples`` samples at most: only those are copied out of ``data``)."""
     if not data:
         raise AudioInputError(path, "empty file (0 bytes)")
     if len(data) < 12:
@@ -85,6 +93,8 @@ def _parse_riff(path: str, data: bytes) -> tuple[dict[str, int], bytes]:
                     path,
                     f"truncated: data chunk declares {size} bytes but only {available} are present",
                 )
+            if max_samples is not None:
+                size = min(size, max_samples * max(fmt["block_align"], 1))
             return fmt, data[body : body + size]
         pos = body + size + (size & 1)  # chunks are padded to an even size
     if fmt is None:
@@ -126,22 +136,37 @@ def _decode(path: str, fmt: dict[str, int], pcm: bytes) -> np.ndarray:
     )
 
 
-def read_wav(path: str | os.PathLike, expected_rate: int = INPUT_RATE) -> np.ndarray:
-    """Reads a mono WAV file at ``expected_rate`` as float32 [n] in [-1, 1].
+def read_wav(
+    path: str | os.PathLike, expected_rate: int = INPUT_RATE, max_samples: int = MAX_WAV_SAMPLES
+) -> np.ndarray:
+    """Reads a mono WAV file at ``expected_rate`` as float32 [n] in [-1, 1], its first
+    ``max_samples`` samples at most (the rest is not read).
 
     Accepts PCM 8/16/24/32-bit and IEEE float 32/64-bit (plain or WAVE_FORMAT_EXTENSIBLE). Raises
-    ``AudioInputError`` naming the file for: a missing or unreadable file, an empty file, a file
+    ``AudioInputError`` naming the file for: a missing or unreadable file, anything but a regular
+    file (a device such as /dev/zero, a FIFO, a directory: never read), an empty file, a file
     that is not WAV, a truncated or corrupt file, more than one channel, a sample rate other than
     ``expected_rate`` (both named; nothing is resampled silently), no samples, NaN/Inf samples, and
     float samples outside [-1, 1] (clipped).
     """
     name = os.fspath(path)
     try:
-        with open(name, "rb") as f:
-            data = f.read()
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not wait
     except OSError as e:
         raise AudioInputError(name, f"cannot read: {e.strerror or e}") from e
-    fmt, pcm = _parse_riff(name, data)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise AudioInputError(name, f"not a regular file ({_file_kind(mode)}); give a WAV file")
+        if os.fstat(fd).st_size == 0:
+            raise AudioInputError(name, "empty file (0 bytes)")
+        # Mapped, not read: only the chunk headers and the samples taken are paged in.
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as data:
+            fmt, pcm = _parse_riff(name, data, max_samples)
+    except OSError as e:
+        raise AudioInputError(name, f"cannot read: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
     problems = []
     if fmt["channels"] != 1:
         problems.append(f"{fmt['channels']} channels; expected mono (1 channel)")
@@ -156,6 +181,19 @@ def read_wav(path: str | os.PathLike, expected_rate: int = INPUT_RATE) -> np.nda
         raise AudioInputError(name, "no audio samples (the data chunk is empty)")
     _check_values(name, samples)
     return samples
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import threading
+import time
 
 import jax
 import numpy as np
@@ -27,6 +28,7 @@ from voicechat_jax import step as step_lib
 from voicechat_jax.buckets import BucketEngine
 from voicechat_jax.model import voicechat
 from voicechat_jax.serving import audio as audio_lib
+from voicechat_jax.serving import outdir
 from voicechat_jax.serving import scheduler as scheduler_lib
 from voicechat_jax.serving.memory import RolloverPolicy
 from voicechat_jax.serving.metrics import format_table
@@ -70,6 +72,9 @@ class RunOptions:
     # up to ``admission_queue_s`` for one to end (0: refused at once). Either set wraps the policy.
     max_live: int | None = None
     admission_queue_s: float = 0.0
+    overwrite: bool = False  # write into an ``output_dir`` that holds a finished run
+    manifest_sha256: str | None = None  # the checkpoint's integrity.json must have this sha256
+    started: float | None = None  # time.monotonic() of the process's start (for the ready line)
 
     @property
     def admission_queue_beats(self) -> int:
@@ -111,15 +116,28 @@ def default_wav() -> str:
     return path
 
 
-def _load_inputs(paths: tuple[str, ...], n: int) -> list[tuple[str, np.ndarray | Exception]]:
-    """Each session's (source, audio or the error reading it); sessions take files in turn."""
+def _usable_samples(options: RunOptions, cfg) -> int:
+    """Input samples a scripted session can use: the run's frames, and at most its context cap
+    when a session ends there (``at_cap=end``); what lies past them in a file is not read."""
+    spf = cfg.encoder.mel.samples_per_frame
+    frames = options.n_ticks * options.serve.frames_per_tick
+    if options.serve.at_cap == "end":
+        frames = min(frames, options.serve.context_frames)
+    return min(frames * spf, audio_lib.MAX_WAV_SAMPLES)
+
+
+def _load_inputs(
+    paths: tuple[str, ...], n: int, max_samples: int = audio_lib.MAX_WAV_SAMPLES
+) -> list[tuple[str, np.ndarray | Exception]]:
+    """Each session's (source, audio or the error reading it); sessions take files in turn,
+    each read up to ``max_samples``."""
     if n == 0:
         return []
     paths = paths or (default_wav(),)
     loaded: dict[str, np.ndarray | Exception] = {}
     for p in paths:
         try:
-            loaded[p] = audio_lib.read_wav(p, expected_rate=16000)
+            loaded[p] = audio_lib.read_wav(p, expected_rate=16000, max_samples=max_samples)
         except audio_lib.AudioInputError as e:
             logging.error("input %s rejected: %s", p, e)
             loaded[p] = e
@@ -166,6 +184,27 @@ def make_mesh(options: RunOptions) -> Mesh | None:
     return mesh
 
 
+def model_config(options: RunOptions) -> config_lib.ModelConfig | None:
+    """The run's model config without building anything: the preset's, or the checkpoint's own
+    ``model_config.json`` (None when that cannot be read: the restore reports it)."""
+    if not options.checkpoint:
+        return config_lib.PRESETS[options.model]()
+    from voicechat_jax import checkpoint as ckpt
+
+    try:
+        return ckpt.config_from_json(ckpt.read_json(options.checkpoint, ckpt.MODEL_CONFIG))
+    except (ckpt.CheckpointError, TypeError, ValueError):
+        return None
+
+
+def check_model(options: RunOptions) -> None:
+    """Raises ValueError (one line) when ``options.serve`` does not fit the model (a system
+    prompt id past its vocabulary: ``ServeConfig.check_model``), before anything is built."""
+    cfg = model_config(options)
+    if cfg is not None:
+        options.serve.check_model(cfg)
+
+
 def check_model_parallel(options: RunOptions) -> None:
     """Raises ValueError (one line) when the LLM cannot split over ``options.model_parallel``
     devices (``mesh.local_config``), before anything is built: the config is the preset's, or
@@ -173,16 +212,9 @@ def check_model_parallel(options: RunOptions) -> None:
     to report)."""
     if options.model_parallel == 1:
         return
-    if options.checkpoint:
-        from voicechat_jax import checkpoint as ckpt
-
-        try:
-            tree = ckpt.read_json(options.checkpoint, ckpt.MODEL_CONFIG)
-            cfg = ckpt.config_from_json(tree)
-        except (ckpt.CheckpointError, TypeError, ValueError):
-            return
-    else:
-        cfg = config_lib.PRESETS[options.model]()
+    cfg = model_config(options)
+    if cfg is None:
+        return
     groups = max(options.devices // options.model_parallel, 1)
     axes = (groups, options.model_parallel)
     mesh_lib.local_config(cfg, options.serve, AbstractMesh(axes, (mesh_lib.DATA, mesh_lib.MODEL)))
@@ -199,7 +231,12 @@ def build(options: RunOptions, mesh: Mesh | None = None):
         from voicechat_jax import checkpoint as ckpt  # converted checkpoints (voicechat-convert)
 
         sharding = None if mesh is None else mesh_lib.replicated(mesh)
-        cfg, params, tokenizer = ckpt.restore(options.checkpoint, precision, sharding=sharding)
+        cfg, params, tokenizer = ckpt.restore(
+            options.checkpoint,
+            precision,
+            sharding=sharding,
+            manifest_sha256=options.manifest_sha256,
+        )
     else:
         if options.model not in config_lib.PRESETS:
             known = sorted(config_lib.PRESETS)
@@ -238,12 +275,23 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
     ``stop``: once set (a signal handler, another thread), the server drains: no new admission,
     the beat in flight is finished, every live session ends with a ``shutdown`` event and its
     files are closed; then this returns as a finished run does.
+
+    The output directory is locked for the run (``outdir.OutputLock``): another run there, or a
+    finished one without ``options.overwrite``, raises ``outdir.OutputDirError`` before anything
+    is built.
     """
-    os.makedirs(options.output_dir, exist_ok=True)
+    with outdir.OutputLock(options.output_dir, overwrite=options.overwrite):
+        return _run(options, stop)
+
+
+def _run(options: RunOptions, stop: threading.Event | None) -> RunResult:
+    t_build = time.monotonic()
+    t0 = t_build if options.started is None else options.started
     mesh = make_mesh(options)
     cfg, params, serve, tokenizer = build(options, mesh)
+    t_built = time.monotonic()
     n_ticks = options.n_ticks
-    inputs = _load_inputs(options.input_wavs, options.sessions)
+    inputs = _load_inputs(options.input_wavs, options.sessions, _usable_samples(options, cfg))
     plans, failures = plans_for(options, n_ticks, inputs)
     compiles = step_lib.CompileCounter("tick")
     with compiles:
@@ -273,6 +321,13 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
                     capsule_tokens=serve.capsule_tokens,
                     max_per_beat=options.rollovers_per_beat,
                 ),
+                on_ready=lambda: logging.info(
+                    "ready to serve %.1f s after the start (the model built in %.1f s, the tick "
+                    "compiled and warmed in %.1f s)",
+                    time.monotonic() - t0,
+                    t_built - t_build,
+                    time.monotonic() - t_built,
+                ),
             )
             for sid, message in failures.items():
                 server.metrics.record_event("failed", session=sid, tick=None, message=message)
@@ -289,6 +344,9 @@ def run(options: RunOptions, *, stop: threading.Event | None = None) -> RunResul
                         {
                             "failures": failures,
                             "ended": dict(server.ended),
+                            # Every session that ended before the run did, by how it ended
+                            # ("client error": a network client ended its call badly).
+                            "ended_by_reason": dict(summary["ended"]),
                             "stopped": server.stopping,
                         },
                         f,

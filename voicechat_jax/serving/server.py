@@ -46,7 +46,14 @@ from voicechat_jax import state as state_lib
 from voicechat_jax.engine import Engine
 from voicechat_jax.serving.clock import OFFLINE, BeatClock, TickTiming
 from voicechat_jax.serving.gc_policy import GcMonitor, GcPolicy
-from voicechat_jax.serving.hub import Join, ScriptedSessions, SessionHub, SessionPlan, SessionSource
+from voicechat_jax.serving.hub import (
+    CLIENT_ERROR,
+    Join,
+    ScriptedSessions,
+    SessionHub,
+    SessionPlan,
+    SessionSource,
+)
 from voicechat_jax.serving.memory import (
     ConversationMemory,
     MemoryConfig,
@@ -195,6 +202,12 @@ class Server:
         (re-tokenized by ``llm_tokenizer``); None: the caller's turns are left out.
       scheduler: the batching policy (``scheduler.Scheduler``): admission, which slots run, which
         compiled bucket; default ``Lockstep`` (every slot, every beat). Used by the beat thread.
+      on_ready: called once the tick is compiled and warmed, before the first beat (the beat
+        thread; the runner logs the time to ready).
+
+    A session of ``hub`` (a network client) that fails ends as ``CLIENT_ERROR``, not
+    ``failed``: a client that vanished, stalled or sent what the protocol refuses is no failure of
+    the server (``failed_sessions`` and ``failures`` hold the server's own sessions only).
 
     Threads, and what each one owns (every other field is set in ``__init__`` and then only read):
 
@@ -242,6 +255,7 @@ class Server:
         llm_tokenizer: TextTokenizer | None = None,
         asr_decode: Callable[[Sequence[int]], str] | None = None,
         scheduler: Scheduler | None = None,
+        on_ready: Callable[[], None] | None = None,
     ):
         if loop not in LOOPS:
             raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
@@ -295,6 +309,7 @@ class Server:
         self._waiting: list[tuple[SessionSource, list[Join]]] = []  # joins the scheduler holds
         self._stop = stop_event or threading.Event()
         self._error: BaseException | None = None
+        self._on_ready = on_ready
         # Beat thread.
         self.failures = EndedRecords(max_ended)  # session -> why it failed or was refused
         self.ended = EndedRecords(max_ended)  # session -> why it ended before the run did
@@ -376,6 +391,9 @@ class Server:
         """Bookkeeping for a session whose slot was just released (beat thread)."""
         self.ended[sid] = detail
         owner = self._owner.pop(sid, None)
+        if why == "failed" and owner is self.hub:
+            why = CLIENT_ERROR  # the client's doing (bad audio, vanished), not the server's
+            self.failures.pop(sid, None)
         if owner is not None:
             owner.ended(sid, why, detail, tick)
         self._silent.pop(sid, None)
@@ -383,7 +401,7 @@ class Server:
         self._memories.pop(sid, None)
         if why == "failed":
             self.failed_sessions += 1
-            if sid not in self.failures:  # failed by its source (a network client's fault)
+            if sid not in self.failures:  # failed by its source (a scripted session's file)
                 self.failures[sid] = detail
             self._send(_Event({"event": "failed", "session": sid, "tick": tick, "message": detail}))
         # Logged by the writer thread: a log line can block (a full stderr pipe), the beat cannot.
@@ -723,6 +741,8 @@ class Server:
             self.metrics.record_compile("resident_loop", self.engine.compile_s)
             # Run down every path before the clock too, as the dispatch tick's ``warm``.
             self.metrics.record_compile("warm", self.engine.warm_resident(compiled))
+        if self._on_ready is not None:
+            self._on_ready()
         writer = threading.Thread(target=self._writer_main, name="voicechat-writer", daemon=True)
         writer.start()
         try:
