@@ -170,26 +170,34 @@ def test_agent_turn_from_the_text_channel():
         _beat(1, 2, [100, PAD_ID]),
         _beat(2, 4, [101, EOS_ID]),
         _beat(3, 6, [PAD_ID, PAD_ID]),
+        _beat(4, 8, [PAD_ID, PAD_ID]),
     ]
     out = _run(ev, beats)
     types = [e["type"] for e in out]
-    assert types.count("response.audio.delta") == 8  # one per 80 ms frame
-    assert types.count("voicechat.beat") == 4
+    # One delta per 80 ms frame: the turn's response from its BOS to 2 frames past its EOS.
+    assert types.count("response.output_audio.delta") == 7
+    assert types.count("voicechat.output_audio.delta") == 3
+    assert types.count("voicechat.beat") == 5
     added = [e for e in out if e["type"] == "response.output_item.added"]
     assert len(added) == 1
     item = added[0]["item"]["id"]
-    deltas = [e for e in out if e["type"] == "response.audio_transcript.delta"]
+    deltas = [e for e in out if e["type"] == "response.output_audio_transcript.delta"]
     assert [d["delta"] for d in deltas] == ["w100", " w101"]
     assert [d["voicechat"]["ids"] for d in deltas] == [[100], [101]]
-    done = next(e for e in out if e["type"] == "response.audio_transcript.done")
+    done = next(e for e in out if e["type"] == "response.output_audio_transcript.done")
     assert (done["item_id"], done["transcript"]) == (item, "w100 w101")
-    assert types.index("response.output_item.done") > types.index("response.audio_transcript.done")
-    # The audio of the turn's frames names the turn's item; after it, the session's audio item.
-    audio = [e for e in out if e["type"] == "response.audio.delta"]
-    assert audio[2]["item_id"] == item
-    assert audio[-1]["item_id"] == ev.audio_item_id
+    assert types.index("response.output_item.done") > done_at(types, "transcript.done")
+    assert types.index("response.done") > types.index("response.output_item.done")
+    # The turn's audio names the turn's item; before and after it, the stream's (extension).
+    audio = [e for e in out if e["type"] == "response.output_audio.delta"]
+    assert {a["item_id"] for a in audio} == {item}
+    assert types[-1] == "voicechat.output_audio.delta"
     ids = [e["event_id"] for e in out]
     assert len(set(ids)) == len(ids)
+
+
+def done_at(types: list[str], suffix: str) -> int:
+    return next(i for i, t in enumerate(types) if t.endswith(suffix))
 
 
 def test_no_extension_fields_unless_asked():
@@ -197,7 +205,7 @@ def test_no_extension_fields_unless_asked():
     out = _run(ev, [_beat(0, 0, [BOS_ID, 100])], p.SessionConfig())
     assert not [e for e in out if e["type"].startswith("voicechat.")]
     assert all("voicechat" not in e for e in out)
-    delta = next(e for e in out if e["type"] == "response.audio_transcript.delta")
+    delta = next(e for e in out if e["type"] == "response.output_audio_transcript.delta")
     assert delta["delta"] == ""  # no tokenizer on the server: text empty, ids only with extensions
 
 
@@ -268,7 +276,7 @@ def test_beat_event_fields_and_rollover():
         ("context cap", 1000, "session_expired", "incomplete"),
         ("shutdown", 1001, "server_shutting_down", "incomplete"),
         ("idle timeout", 1000, "idle_timeout", "incomplete"),
-        ("left", 1000, None, "completed"),
+        ("left", 1000, None, "cancelled"),
         ("failed", 1011, "session_failed", "failed"),
     ],
 )
@@ -278,9 +286,9 @@ def test_end_events(reason, close, code, status):
     events, got = ev.end(StreamEnd(reason, "why"), 2, p.SessionConfig(extensions=True))
     assert got == close
     types = [e["type"] for e in events]
-    assert types[0] == "response.audio_transcript.done"  # the open turn is closed first
-    assert types[-1] == "response.done"
-    assert events[-1]["response"]["status"] == status
+    assert types[0] == "response.output_audio.done"  # the open turn's response is closed first
+    assert types[-1] == "voicechat.session.ended"
+    assert next(e for e in events if e["type"] == "response.done")["response"]["status"] == status
     errors = [e["error"]["code"] for e in events if e["type"] == "error"]
     assert errors == ([] if code is None else [code])
     ended = next(e for e in events if e["type"] == "voicechat.session.ended")

@@ -35,6 +35,7 @@ from voicechat_jax.serving.sessions import CapacityError, InputQueues
 from voicechat_jax.serving.writer import OutputStream
 
 SessionId = Hashable
+CLIENT_ERROR = "client error"  # why a network call ended that its client ended badly
 
 
 @dataclasses.dataclass

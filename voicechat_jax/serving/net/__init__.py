@@ -2,7 +2,13 @@
 running ``Server`` (``app.NetFront``: WebSocket calls, health, readiness, Prometheus metrics, the
 browser page in ``web/``) and a load client (``load``)."""
 
-from voicechat_jax.serving.net.app import REALTIME_PATH, NetConfig, NetFront, parse_listen
+from voicechat_jax.serving.net.app import (
+    REALTIME_PATH,
+    NetConfig,
+    NetFront,
+    check_listen,
+    parse_listen,
+)
 from voicechat_jax.serving.net.protocol import PROTOCOL_VERSION, CallEvents, SessionConfig
 
 __all__ = [
@@ -12,5 +18,6 @@ __all__ = [
     "NetConfig",
     "NetFront",
     "SessionConfig",
+    "check_listen",
     "parse_listen",
 ]

@@ -4,11 +4,15 @@
 application on its own thread and event loop:
 
 - ``GET /v1/realtime`` (WebSocket): one call per connection, in the protocol of ``protocol.py``
-  and ``docs/protocol.md`` (OpenAI Realtime event names). The connection asks ``Server.hub`` for a
-  slot; refused (no slot free, not ready, draining) it gets an ``error`` event it can act on and a
-  close code (1013: try again later; 1001: going away). Admitted, its audio goes to the hub as it
-  arrives (cut into 80 ms frames, resampled to 16 kHz); its output is drained from the session's
-  bounded ``OutputStream`` and sent one 80 ms frame at a time, paced within each beat.
+  and ``docs/protocol.md`` (the OpenAI Realtime API, GA; beta to a client that asks), with the
+  subprotocol ``realtime`` selected when offered. Access (``auth``): with an API key set, calls
+  and ``/capacity`` need it (401 without; a browser's call is closed with 1008 and an ``error``
+  that says why); with ``allowed_origins``, a browser's upgrade from another site gets 403.
+  The connection asks ``Server.hub`` for a slot; refused (no slot free, not ready, draining) it
+  gets an ``error`` event it can act on and a close code (1013: try again later; 1001: going
+  away). Admitted, its audio goes to the hub as it arrives (cut into 80 ms frames, resampled to
+  16 kHz); its output is drained from the session's bounded ``OutputStream`` and sent one 80 ms
+  frame at a time, paced within each beat.
 - ``GET /healthz``: the process answers. ``GET /readyz``: 200 once the tick is compiled and its
   warm-up beats are served, and while the server admits sessions, else 503 with the reason.
   ``GET /capacity``: JSON ``slots``, ``max_live`` (the admission threshold, ``slots`` without
@@ -33,7 +37,9 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import json
+import logging as std_logging
 import os
 import socket
 import threading
@@ -41,12 +47,14 @@ from collections.abc import Callable, Sequence
 
 from absl import logging
 from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from voicechat_jax.serving import audio as audio_lib
-from voicechat_jax.serving.hub import HubClosedError, Join
+from voicechat_jax.serving.hub import CLIENT_ERROR, HubClosedError, Join
 from voicechat_jax.serving.metrics import SummaryCollector
+from voicechat_jax.serving.net import auth
 from voicechat_jax.serving.net import protocol as p
 from voicechat_jax.serving.scheduler import AdmissionControl
 from voicechat_jax.serving.sessions import CapacityError
@@ -78,11 +86,32 @@ class NetConfig:
     record_calls: bool = False  # write each call's files when the server has an output_dir
     model: str = "voicechat"
     notice_interval_s: float = 2.0  # at most one overflow error per kind per this interval
+    # Access (``auth``): calls and /capacity need the key in this file (else $VOICECHAT_API_KEY;
+    # neither: no key); a browser's upgrade from a site not listed here is refused (none: any).
+    api_key_file: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    # Slow or idle clients: a connection whose request (line and headers) is not in within
+    # ``header_timeout_s`` of its opening, or of its last response, is closed; an unread request
+    # body is drained for at most ``body_timeout_s`` before the connection is closed; at most
+    # ``max_pending_connections`` connections may be open without being a WebSocket call (more
+    # are closed at once).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 5.0
+    max_pending_connections: int = 256
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("idle_timeout_s", "heartbeat_s", "send_timeout_s", "admit_timeout_s"):
+        if self.max_pending_connections < 1:
+            raise ValueError("max_pending_connections must be >= 1")
+        for name in (
+            "idle_timeout_s",
+            "heartbeat_s",
+            "send_timeout_s",
+            "admit_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.output_beats < 1 or self.max_message_bytes < 1024 or self.send_buffer_bytes < 4096:
@@ -97,6 +126,120 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT with a port in [0, 65535], got {value!r}")
     return host.strip("[]"), int(port)
+
+
+def check_listen(value: str) -> tuple[str, int]:
+    """``parse_listen``, then the address resolved and bound once (and let go), so that a bad
+    host, an address not on this machine or a port in use is found before anything is built.
+    Raises ValueError with one line saying which."""
+    host, port = parse_listen(value)
+    try:
+        infos = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE | socket.AI_ADDRCONFIG
+        )
+    except socket.gaierror as e:
+        raise ValueError(f"--listen={value}: cannot resolve host {host!r} ({e.strerror})") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            # As the server binds (asyncio's reuse_address): a port left in TIME_WAIT is free.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    why = f"port {port} is in use on {address[0]}"
+                elif e.errno == errno.EADDRNOTAVAIL:
+                    why = f"{address[0]} is not an address of this machine"
+                elif e.errno == errno.EACCES:
+                    why = f"no permission to listen on port {port}"
+                else:
+                    why = f"cannot listen on {address[0]}:{port} ({e.strerror})"
+                raise ValueError(f"--listen={value}: {why}") from None
+    return host, port
+
+
+class _OneLineLog(std_logging.LoggerAdapter):
+    """aiohttp's server log with a malformed request as one line (aiohttp logs each with its
+    traceback); an exception in a handler (a bug here) keeps its traceback."""
+
+    def exception(self, msg, *args, exc_info=True, **kw) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            self.logger.warning(msg + ": %s", *args, " ".join(str(exc_info).split()))
+            return
+        self.logger.exception(msg, *args, exc_info=exc_info, **kw)
+
+
+class _Guarded(asyncio.Protocol):
+    """aiohttp's request handler for one connection, behind the front's connection limits.
+
+    Refused at once when ``max_pending_connections`` connections are already open without
+    being a call; otherwise every event goes to aiohttp's handler (``inner``), and the front
+    hears when the connection closes (``_ConnectionGuard.closed``).
+    """
+
+    def __init__(self, inner: asyncio.Protocol, guard: _ConnectionGuard):
+        self.inner, self.guard = inner, guard
+        self.transport: asyncio.Transport | None = None
+        self.admitted = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.admitted = self.guard.opened(transport)
+        if not self.admitted:
+            transport.abort()
+            return
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc) -> None:
+        if self.admitted:
+            self.guard.closed(self.transport)
+            self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.admitted:
+            self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received() if self.admitted else None
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class _ConnectionGuard:
+    """Which connections are open and what became of them (the front's event loop only)."""
+
+    def __init__(self, max_pending: int):
+        self.max_pending = max_pending
+        self.pending: set = set()  # transports open, not (yet) a WebSocket call
+        self.requested: set = set()  # transports that sent at least one whole request
+        self.opened_total = 0
+        self.refused = 0  # closed at once: too many pending
+        self.without_request = 0  # closed before a whole request (resets, bare handshakes, slow)
+
+    def opened(self, transport) -> bool:
+        if len(self.pending) >= self.max_pending:
+            self.refused += 1
+            return False
+        self.opened_total += 1
+        self.pending.add(transport)
+        return True
+
+    def request(self, transport) -> None:
+        self.requested.add(transport)
+
+    def upgraded(self, transport) -> None:
+        self.pending.discard(transport)
+
+    def closed(self, transport) -> None:
+        self.pending.discard(transport)
+        if transport in self.requested:
+            self.requested.discard(transport)
+        else:
+            self.without_request += 1
 
 
 class NetFront:
@@ -131,12 +274,16 @@ class NetFront:
         self.errors: collections.Counter[str] = collections.Counter()  # protocol errors by code
         self.ended: collections.Counter[str] = collections.Counter()  # calls by end reason
         self.output_dropped = 0  # output beats dropped because a client fell behind
+        self.unstarted = 0  # calls whose client left before session.created (not refusals)
+        self.guard = _ConnectionGuard(self.config.max_pending_connections)
+        self._listener: asyncio.AbstractServer | None = None
         self._calls: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
+        self._api_key = auth.read_api_key(self.config.api_key_file)
         self.registry = CollectorRegistry()
         self.registry.register(SummaryCollector(server.metrics))
         self.registry.register(_FrontCollector(self))
@@ -175,7 +322,7 @@ class NetFront:
         except BaseException as e:
             self._start_error = e
             self._started.set()
-            logging.exception("the network front failed to start")
+            logging.error("the network front failed to start: %s", e)
             return
         self._started.set()
         try:
@@ -185,7 +332,9 @@ class NetFront:
             loop.close()
 
     async def _serve(self) -> None:
-        app = web.Application(client_max_size=self.config.max_message_bytes)
+        app = web.Application(
+            client_max_size=self.config.max_message_bytes, middlewares=[self._seen_request]
+        )
         app.router.add_get("/", self._index)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
@@ -193,17 +342,40 @@ class NetFront:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get(REALTIME_PATH, self._realtime)
         app.router.add_static("/static/", WEB_DIR, show_index=False)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        self._runner = web.AppRunner(
+            app,
+            handle_signals=False,
+            access_log=None,
+            # aiohttp's idle timer runs from a connection's opening and from each response:
+            # a request that is not whole by then (headers that never end) is closed with it.
+            keepalive_timeout=self.config.header_timeout_s,
+            lingering_time=self.config.body_timeout_s,
+            logger=_OneLineLog(std_logging.getLogger("aiohttp.server"), {}),
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        sockets = site._server.sockets if site._server is not None else ()
+        handler = self._runner.server
+        self._listener = await asyncio.get_running_loop().create_server(
+            lambda: _Guarded(handler(), self.guard),
+            self.config.host,
+            self.config.port,
+            reuse_address=True,
+        )
+        sockets = self._listener.sockets
         port = sockets[0].getsockname()[1] if sockets else self.config.port
         host = self.config.host
         self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         logging.info("network front listening on %s (calls at %s)", self.url, REALTIME_PATH)
+        if self._api_key is None and not auth.is_loopback(host):
+            logging.warning(
+                "listening on %s with no API key: anyone who reaches it may call "
+                "(--api_key_file or $%s)",
+                host,
+                auth.API_KEY_ENV,
+            )
 
     async def _shutdown(self, grace_s: float) -> None:
+        if self._listener is not None:
+            self._listener.close()  # no new connection; the open ones end below
         calls = list(self._calls)
         if calls:
             _, pending = await asyncio.wait(calls, timeout=grace_s)
@@ -244,6 +416,12 @@ class NetFront:
 
     # ---- HTTP --------------------------------------------------------------------------------
 
+    @web.middleware
+    async def _seen_request(self, request: web.Request, handler) -> web.StreamResponse:
+        if request.transport is not None:
+            self.guard.request(request.transport)
+        return await handler(request)
+
     async def _index(self, request: web.Request) -> web.StreamResponse:
         return web.FileResponse(os.path.join(WEB_DIR, "index.html"))
 
@@ -263,7 +441,9 @@ class NetFront:
     async def _capacity(self, request: web.Request) -> web.Response:
         """What a router admits by: slots, the admission threshold, free slots (below it), live
         sessions, draining, ready (always 200, so that a draining server's numbers can still be
-        read)."""
+        read); 401 without the API key when one is set."""
+        if not auth.authorized(request.headers, self._api_key):
+            return self._refused(p.ErrorCode.INVALID_API_KEY, _NO_KEY, 401)
         ready, why = self.readiness()
         body = {
             "slots": self.server.slots.n_slots,
@@ -287,20 +467,41 @@ class NetFront:
 
     async def _realtime(self, request: web.Request) -> web.StreamResponse:
         cfg = self.config
+        if not auth.origin_allowed(request.headers, request.host, cfg.allowed_origins):
+            origin = request.headers.get("Origin")
+            return self._refused(
+                p.ErrorCode.ORIGIN_NOT_ALLOWED, f"origin {origin} is not allowed", 403
+            )
+        keyed = auth.authorized(request.headers, self._api_key)
+        if not keyed and "Origin" not in request.headers:  # not a browser: it reads the status
+            return self._refused(p.ErrorCode.INVALID_API_KEY, _NO_KEY, 401)
         ws = web.WebSocketResponse(
+            protocols=(auth.SUBPROTOCOL,),
             heartbeat=cfg.heartbeat_s,
             max_msg_size=cfg.max_message_bytes,
             compress=False,
             writer_limit=cfg.send_buffer_bytes // 2,
         )
-        await ws.prepare(request)
+        try:
+            await ws.prepare(request)
+        except (ConnectionError, RuntimeError):
+            self.unstarted += 1  # reset during the handshake
+            raise ConnectionResetError("the client left during the handshake") from None
         transport = request.transport
         if transport is not None:
+            self.guard.upgraded(transport)
             transport.set_write_buffer_limits(high=cfg.send_buffer_bytes // 4)
             sock = transport.get_extra_info("socket")
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.send_buffer_bytes)
+        if not keyed:  # a browser sees no status: the reason comes as an event and the close
+            self.refusals[str(p.ErrorCode.INVALID_API_KEY)] += 1
+            event = {**p.error_event(p.ErrorCode.INVALID_API_KEY, _NO_KEY), "event_id": "refused"}
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await ws.send_str(json.dumps(event))
+                await ws.close(code=p.CloseCode.POLICY_VIOLATION, message=b"invalid API key")
+            return ws
         self.connections += 1
         task = asyncio.current_task()
         self._calls.add(task)
@@ -313,6 +514,19 @@ class NetFront:
     def count_error(self, code: p.ErrorCode) -> None:
         self.errors[str(code)] += 1
 
+    def _refused(self, code: p.ErrorCode, message: str, status: int) -> web.Response:
+        """An HTTP refusal (counted) with the Realtime API's error body."""
+        self.refusals[str(code)] += 1
+        body = p.error_event(code, message)["error"]
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return web.json_response({"error": body}, status=status, headers=headers)
+
+
+_NO_KEY = (
+    "no valid API key: send Authorization: Bearer KEY (from a browser, the subprotocol "
+    f"{auth.KEY_SUBPROTOCOL}KEY)"
+)
+
 
 class _Call:
     """One WebSocket connection: admission, then a reader, a sender and an idle watchdog."""
@@ -323,13 +537,25 @@ class _Call:
         self.hub = front.server.hub
         self.cfg = front.config
         self.loop = asyncio.get_running_loop()
-        self.session = p.SessionConfig(extensions=request.query.get("voicechat") in ("1", "true"))
+        engine = front.server.engine
+        self.session = p.SessionConfig(
+            extensions=request.query.get("voicechat") in ("1", "true"),
+            voice=engine.cfg.tts.speaker_name,
+            model=self.cfg.model,
+        )
         self.sid = self.hub.new_id()
         self.peer = request.remote or "?"
         self.transport = request.transport
         self.events = p.CallEvents(
-            self.sid, text_decode=front.text_decode, asr_decode=front.asr_decode
+            self.sid,
+            text_decode=front.text_decode,
+            asr_decode=front.asr_decode,
+            beta=auth.wants_beta(request.headers, request.query),
+            context_frames=engine.serve.context_frames,
         )
+        # The reader's acknowledgements and the sender's frames each build and send their events
+        # under it, so that no event of a frame the client has just cancelled follows the cancel.
+        self.lock = asyncio.Lock()
         self.wake = asyncio.Event()
         self.stream = OutputStream(
             self.cfg.output_beats, notify=lambda: self.loop.call_soon_threadsafe(self.wake.set)
@@ -396,6 +622,7 @@ class _Call:
             await self.refuse(p.ErrorCode.SERVER_SHUTTING_DOWN, str(e), p.CloseCode.GOING_AWAY)
             return
         except (TimeoutError, asyncio.CancelledError):
+            self.front.unstarted += 1
             self.hub.release(self.sid, "left", "admission abandoned")
             if not self.ws.closed:
                 await self.refuse(
@@ -418,16 +645,9 @@ class _Call:
         self.info = info
         logging.info("call %s from %s admitted into slot %d", self.sid, self.peer, slot)
         try:
-            await self.send(
-                self.events.stamp(
-                    {
-                        "type": str(p.ServerEvent.SESSION_CREATED),
-                        "session": self.events.session_object(self.session, info),
-                    }
-                )
-            )
-            await self.send(self.events.response_created())
+            await self.send(self.events.session_created(self.session, info))
         except (TimeoutError, ConnectionError, RuntimeError):
+            self.front.unstarted += 1
             self.hub.release(self.sid, "left", "the client left before the session began")
             return
         tasks = {
@@ -447,12 +667,17 @@ class _Call:
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            crashed = [r for r in results if isinstance(r, Exception)]  # a bug here
+            for e in crashed:
+                logging.error("call %s: %s: %s", self.sid, type(e).__name__, e, exc_info=e)
             if not self.ended and not self.released:
                 self.release("left", "the connection closed")
             if not self.ws.closed:
+                # 1000 only for a call that ended normally.
+                code = p.CloseCode.INTERNAL_ERROR if crashed else p.CloseCode.NORMAL
                 with contextlib.suppress(Exception):
-                    await self.ws.close()
+                    await self.ws.close(code=code)
             logging.info("call %s ended (%d frames sent)", self.sid, self.frames)
 
     def release(self, why: str, detail: str) -> None:
@@ -481,19 +706,19 @@ class _Call:
                 code = ws.close_code
                 why = "message too big" if code == WSCloseCode.MESSAGE_TOO_BIG else str(msg.data)
                 self.front.count_error(p.ErrorCode.INVALID_EVENT)
-                self.release("failed", f"connection error: {why}")
+                self.release(CLIENT_ERROR, f"connection error: {why}")
                 return
             else:  # CLOSE / CLOSING / CLOSED: the client closed or vanished
                 if self.ended:
                     return
                 code = ws.close_code
                 if code in (None, WSCloseCode.ABNORMAL_CLOSURE):
-                    self.release("failed", "client vanished: the connection dropped, no close")
+                    self.release(CLIENT_ERROR, "client vanished: the connection dropped, no close")
                 else:
                     self.release("left", f"the client closed the connection (code {code})")
                 return
             if self.errors > self.cfg.max_protocol_errors:
-                self.release("failed", f"too many protocol errors ({self.errors})")
+                self.release(CLIENT_ERROR, f"too many protocol errors ({self.errors})")
                 with contextlib.suppress(Exception):
                     await ws.close(code=p.CloseCode.POLICY_VIOLATION, message=b"protocol errors")
                 return
@@ -507,30 +732,22 @@ class _Call:
                 self.append(p.decode_audio(event))
                 await self.notice_input_overflow()
             elif kind == p.ClientEvent.SESSION_UPDATE:
-                new = self.session.update(event.get("session"))
+                new, not_applied = self.session.apply(event.get("session"))
                 if new.input_rate != self.session.input_rate:
                     self.input = p.InputAudio(new.input_rate)
                 if new.output_rate != self.session.output_rate:
                     self.output = p.OutputAudio(new.output_rate)
                 self.session = new
-                await self.send(
-                    self.events.stamp(
-                        {
-                            "type": str(p.ServerEvent.SESSION_UPDATED),
-                            "session": self.events.session_object(new, self.info),
-                        }
-                    )
-                )
+                await self.send(self.events.session_updated(new, self.info, not_applied))
             elif kind == p.ClientEvent.SESSION_CLOSE:
                 self.release("left", "closed by the client")
                 return True  # the sender sends the end and closes
-            elif kind in p.UNSUPPORTED:
-                raise p.ProtocolError(
-                    p.ErrorCode.UNSUPPORTED_EVENT,
-                    f"{kind} is not supported: the model is full duplex (it listens and speaks "
-                    "all the time and takes turns by itself)",
-                    event_id=event.get("event_id"),
-                )
+            elif kind in p.CONTROL:
+                if kind == p.ClientEvent.INPUT_AUDIO_CLEAR:
+                    self.input.clear()
+                async with self.lock:
+                    for answer in self.events.control(event, self.session):
+                        await self.send(answer)
             else:
                 raise p.ProtocolError(
                     p.ErrorCode.UNKNOWN_EVENT,
@@ -541,6 +758,13 @@ class _Call:
             await self.protocol_error(e)
         except (audio_lib.AudioInputError, KeyError):
             return False  # the session failed or ended: the stream's end follows
+        except (TypeError, ValueError, AttributeError, LookupError, RecursionError) as e:
+            # An event the parser should have refused (a bug here): refused all the same, and
+            # the call goes on.
+            logging.warning("call %s: event not understood (%s: %s)", self.sid, type(e).__name__, e)
+            await self.protocol_error(
+                p.ProtocolError(p.ErrorCode.INVALID_EVENT, "the event could not be understood")
+            )
         return True
 
     def append(self, pcm: bytes) -> None:
@@ -602,33 +826,32 @@ class _Call:
                 self.wake.clear()
                 beats, end = self.stream.drain()
                 for i, beat in enumerate(beats):
-                    T = beat.text.shape[0]
-                    audio = [
-                        self.output.convert(
-                            beat.wav[t * _OUT_SAMPLES_PER_FRAME : (t + 1) * _OUT_SAMPLES_PER_FRAME]
-                        )
-                        for t in range(T)
-                    ]
                     dropped = self.stream.dropped - self._dropped_seen
                     self._dropped_seen = self.stream.dropped
                     if dropped:
                         self.front.output_dropped += dropped
                         await self.notice_output_dropped(dropped)
-                    frames = self.events.beat(beat, audio, self.session, dropped=dropped)
                     base = self.loop.time()
                     last = i == len(beats) - 1
-                    for t, events in enumerate(frames):
+                    for t in range(beat.text.shape[0]):
                         if t and last:  # pace the newest beat's frames; catch up on older ones
                             await asyncio.sleep(max(0.0, base + t * period - self.loop.time()))
-                        for event in events:
-                            await self.send(event)
+                        wav = beat.wav[
+                            t * _OUT_SAMPLES_PER_FRAME : (t + 1) * _OUT_SAMPLES_PER_FRAME
+                        ]
+                        async with self.lock:
+                            pcm = self.output.convert(wav)
+                            for event in self.events.frame(
+                                beat, t, pcm, self.session, dropped=dropped
+                            ):
+                                await self.send(event)
                         self.frames += 1
                 if end is not None:
                     await self.finish(end)
                     return
         except TimeoutError:
             self.release(
-                "failed", f"client stalled: took no output for {self.cfg.send_timeout_s:g} s"
+                CLIENT_ERROR, f"client stalled: took no output for {self.cfg.send_timeout_s:g} s"
             )
             if self.transport is not None:
                 self.transport.abort()  # a close frame would queue behind what it did not read
@@ -689,6 +912,25 @@ class _FrontCollector:
         )
         yield CounterMetricFamily(
             "voicechat_net_connections", "WebSocket connections accepted.", f.connections
+        )
+        yield CounterMetricFamily(
+            "voicechat_net_tcp_connections", "TCP connections accepted.", f.guard.opened_total
+        )
+        yield CounterMetricFamily(
+            "voicechat_net_connections_without_request",
+            "TCP connections that closed before a whole request (resets, bare handshakes, "
+            "headers past the timeout).",
+            f.guard.without_request,
+        )
+        yield CounterMetricFamily(
+            "voicechat_net_connections_over_limit",
+            "TCP connections closed at once: too many open without being a call.",
+            f.guard.refused,
+        )
+        yield CounterMetricFamily(
+            "voicechat_net_calls_unstarted",
+            "WebSocket calls whose client left before session.created (refusals apart).",
+            f.unstarted,
         )
         refusals = CounterMetricFamily(
             "voicechat_net_refusals", "Connections refused, by error code.", labels=["code"]

@@ -1,6 +1,7 @@
 """A load client: N concurrent live calls over real WebSockets, each on its own clock.
 
-Each client (``run_client``) connects to ``/v1/realtime``, sends 80 ms frames of PCM16 paced by
+Each client (``run_client``) connects to ``/v1/realtime`` (the ``realtime`` subprotocol, the
+API key when one is given), sends 80 ms frames of PCM16 paced by
 its own monotonic clock (frame i at ``t0 + i * 80 ms``; a client that wakes up late skips to the
 frame now due and counts the skipped ones: never a catch-up burst), and measures what a caller
 would hear: the arrival of each 80 ms audio frame (the jitter of the intervals between them), and
@@ -26,9 +27,12 @@ import numpy as np
 import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
-from voicechat_jax.serving.net.protocol import FRAME_MS
+from voicechat_jax.serving.net.auth import SUBPROTOCOL
+from voicechat_jax.serving.net.protocol import FRAME_MS, ServerEvent
 
 FRAME_S = FRAME_MS / 1000.0
+# Every 80 ms frame of the stream: a response's audio, and (the extensions on) the audio between.
+AUDIO_EVENTS = frozenset({str(ServerEvent.AUDIO_DELTA), str(ServerEvent.EXT_AUDIO_DELTA)})
 
 
 @dataclasses.dataclass
@@ -116,6 +120,7 @@ async def run_client(
     rate: int = 24000,
     buffer_ms: float = 100.0,
     admitted: asyncio.Event | None = None,
+    api_key: str | None = None,
 ) -> ClientStats:
     """One call for ``seconds``: ``audio`` (int16 [n] at ``rate``, looped) in 80 ms frames."""
     stats = ClientStats(client=client)
@@ -127,7 +132,13 @@ async def run_client(
     next_frame: list[int | None] = [None]
     t_connect = time.monotonic()
     async with websockets.connect(
-        realtime_url(url), max_size=None, open_timeout=30, compression=None, proxy=None
+        realtime_url(url),
+        max_size=None,
+        open_timeout=30,
+        compression=None,
+        proxy=None,
+        subprotocols=[SUBPROTOCOL],
+        additional_headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
     ) as ws:
         first = json.loads(await ws.recv())
         stats.connect_ms = 1e3 * (time.monotonic() - t_connect)
@@ -184,7 +195,7 @@ async def run_client(
             async for message in ws:
                 event = json.loads(message)
                 kind = event["type"]
-                if kind == "response.audio.delta":
+                if kind in AUDIO_EVENTS:
                     arrivals.append(time.monotonic())
                     sizes.append(len(base64.b64decode(event["delta"])) // 2)
                 elif kind == "voicechat.beat":
@@ -234,6 +245,7 @@ async def run_load(
     buffer_ms: float = 100.0,
     probe_refusal: bool = True,
     stagger_s: float = 0.0,
+    api_key: str | None = None,
 ) -> list[ClientStats]:
     """``clients`` concurrent calls (started ``stagger_s`` apart) and, once they are all in, one
     more (index ``clients``), which a server with ``clients`` slots refuses."""
@@ -249,6 +261,7 @@ async def run_load(
             rate=rate,
             buffer_ms=buffer_ms,
             admitted=admitted[i],
+            api_key=api_key,
         )
 
     tasks = [asyncio.create_task(one(i)) for i in range(clients)]
@@ -259,7 +272,15 @@ async def run_load(
         for w in waits:
             w.cancel()
         extra = asyncio.create_task(
-            run_client(url, audio, client=clients, seconds=1.0, rate=rate, buffer_ms=buffer_ms)
+            run_client(
+                url,
+                audio,
+                client=clients,
+                seconds=1.0,
+                rate=rate,
+                buffer_ms=buffer_ms,
+                api_key=api_key,
+            )
         )
     rows = list(await asyncio.gather(*tasks))
     if extra is not None:

@@ -1,28 +1,36 @@
 """The wire protocol of a live call (``docs/protocol.md``): event names, audio, and the translation
 of each beat's outputs into events. No network and no JAX here, so all of it is tested directly.
 
-The events follow the OpenAI Realtime API's names and shapes wherever they fit (JSON text
-messages, each with a ``type``; audio as base64 PCM16, 24 kHz mono by default), so that its clients
-connect by base URL. What this server adds is namespaced ``voicechat.*`` (event types, and a
-``voicechat`` field inside a standard event) and sent only to a client that asks for it.
+The events follow the OpenAI Realtime API, GA version (``REALTIME_API``: the names and shapes of
+the ``openai`` SDK's ``openai.types.realtime``; JSON text messages, each with a ``type``; audio as
+base64 PCM16, 24 kHz mono by default), so that its clients connect by base URL. A client that asks
+for the beta version (``OpenAI-Beta: realtime=v1``) gets the beta names and shapes (``beta``).
+What this server adds is namespaced ``voicechat.*``: extension events and fields, sent only to a
+client that asks for them, and a ``voicechat`` field in an acknowledgement that says what the
+server did not apply (always sent: a request is never dropped silently).
 
-- ``SessionConfig``: a session's audio formats and options, and ``session.update`` applied to it.
+- ``SessionConfig``: a session's audio formats and options, and ``session.update`` applied to it
+  (``apply``: the new config and the fields it could not honour).
 - ``parse_client_event``: one text message -> an event dict, or a ``ProtocolError`` that the
   connection answers with an ``error`` event (the session goes on).
 - ``InputAudio`` / ``OutputAudio``: PCM16 at the client's rate <-> the model's float32 at 16 kHz
   in, 22.05 kHz out, resampled with ``soxr`` (streaming, so chunk edges leave no seams); input is
   cut into whole 80 ms frames for the server's queues.
-- ``CallEvents``: one session's beats (``writer.StreamBeat``) -> the events of each 80 ms frame:
-  audio deltas, the agent's turns from the text channel (BOS opens, EOS closes), function calls
-  from the function channel (SOTC ... EOTC), the caller's turns from the RNNT transcript, and the
-  session's end. Text comes from the tokenizers when the server has them; the raw ids are always
-  in the ``voicechat`` field (the tiny test model has no tokenizer).
+- ``CallEvents``: one session's beats (``writer.StreamBeat``) -> the events of each 80 ms frame,
+  and the client's conversation events -> their acknowledgements (``control``). Each agent turn
+  of the stream (the text channel: BOS or a word opens, EOS closes) is one response, from
+  ``response.created`` to ``response.done``, with its message item, content part and audio;
+  function calls (the function channel, SOTC ... EOTC) are items of the response they fall in;
+  the caller's turns come from the RNNT transcript. Text comes from the tokenizers when the
+  server has them; the raw ids are in the ``voicechat`` field with the extensions on (the tiny
+  test model has no tokenizer).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import dataclasses
 import enum
 import itertools
@@ -37,7 +45,10 @@ from voicechat_jax.config import BOS_ID, EOS_ID, PAD_ID
 from voicechat_jax.serving.audio import FRAME_LEN, INPUT_RATE, OUTPUT_RATE
 from voicechat_jax.serving.writer import PCM16_MAX, StreamBeat, StreamEnd
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+# The OpenAI Realtime API version followed: GA, as the ``openai`` Python SDK types it
+# (``openai.types.realtime``, checked against openai 3.60 in tests/test_realtime_ga.py).
+REALTIME_API = "GA"
 FRAME_MS = 80
 DEFAULT_RATE = 24000  # the Realtime API's PCM16 rate, in and out
 INPUT_RATES = (16000, 24000)
@@ -46,6 +57,16 @@ SILENCE_ID = 11  # the text channel's "silence" token (docs/model.md §2)
 SOTC_ID, EOTC_ID, EOTR_ID = 20, 21, 22  # function channel: start / end of a tool call, tool result
 # Ids that are not words on the text channel.
 TEXT_SKIP = frozenset({PAD_ID, SILENCE_ID, BOS_ID, EOS_ID})
+# How the model takes turns, in the GA session's terms: a model decides (semantic, not volume),
+# it starts answering by itself, and the server never cuts a response short when the caller
+# speaks (the model may stop, or talk on: full duplex).
+TURN_DETECTION = {
+    "type": "semantic_vad",
+    "eagerness": "auto",
+    "create_response": True,
+    "interrupt_response": False,
+}
+TRANSCRIPTION_MODEL = "rnnt"  # the caller is always transcribed, by the model's own RNNT head
 
 
 class ClientEvent(enum.StrEnum):
@@ -55,27 +76,33 @@ class ClientEvent(enum.StrEnum):
     INPUT_AUDIO_CLEAR = "input_audio_buffer.clear"
     RESPONSE_CREATE = "response.create"
     RESPONSE_CANCEL = "response.cancel"
+    OUTPUT_AUDIO_CLEAR = "output_audio_buffer.clear"
     ITEM_CREATE = "conversation.item.create"
     ITEM_TRUNCATE = "conversation.item.truncate"
     ITEM_DELETE = "conversation.item.delete"
+    ITEM_RETRIEVE = "conversation.item.retrieve"
     SESSION_CLOSE = "voicechat.session.close"  # extension: end the call gracefully
 
 
-# Realtime client events that a full-duplex model has no use for: answered with an error.
-UNSUPPORTED = frozenset(
+# The client events ``CallEvents.control`` answers (the conversation, responses, buffers).
+CONTROL = frozenset(
     {
         ClientEvent.INPUT_AUDIO_COMMIT,
         ClientEvent.INPUT_AUDIO_CLEAR,
         ClientEvent.RESPONSE_CREATE,
         ClientEvent.RESPONSE_CANCEL,
+        ClientEvent.OUTPUT_AUDIO_CLEAR,
         ClientEvent.ITEM_CREATE,
         ClientEvent.ITEM_TRUNCATE,
         ClientEvent.ITEM_DELETE,
+        ClientEvent.ITEM_RETRIEVE,
     }
 )
 
 
 class ServerEvent(enum.StrEnum):
+    """Server events by their GA names (``BETA_NAMES``: the beta names of those renamed)."""
+
     ERROR = "error"
     SESSION_CREATED = "session.created"
     SESSION_UPDATED = "session.updated"
@@ -83,19 +110,42 @@ class ServerEvent(enum.StrEnum):
     RESPONSE_DONE = "response.done"
     OUTPUT_ITEM_ADDED = "response.output_item.added"
     OUTPUT_ITEM_DONE = "response.output_item.done"
-    AUDIO_DELTA = "response.audio.delta"
-    AUDIO_TRANSCRIPT_DELTA = "response.audio_transcript.delta"
-    AUDIO_TRANSCRIPT_DONE = "response.audio_transcript.done"
+    CONTENT_PART_ADDED = "response.content_part.added"
+    CONTENT_PART_DONE = "response.content_part.done"
+    AUDIO_DELTA = "response.output_audio.delta"
+    AUDIO_DONE = "response.output_audio.done"
+    AUDIO_TRANSCRIPT_DELTA = "response.output_audio_transcript.delta"
+    AUDIO_TRANSCRIPT_DONE = "response.output_audio_transcript.done"
     FUNCTION_ARGUMENTS_DELTA = "response.function_call_arguments.delta"
     FUNCTION_ARGUMENTS_DONE = "response.function_call_arguments.done"
+    ITEM_ADDED = "conversation.item.added"
+    ITEM_DONE = "conversation.item.done"  # GA only
+    ITEM_TRUNCATED = "conversation.item.truncated"
+    ITEM_DELETED = "conversation.item.deleted"
+    ITEM_RETRIEVED = "conversation.item.retrieved"
+    INPUT_COMMITTED = "input_audio_buffer.committed"
+    INPUT_CLEARED = "input_audio_buffer.cleared"
     SPEECH_STARTED = "input_audio_buffer.speech_started"
     SPEECH_STOPPED = "input_audio_buffer.speech_stopped"
+    OUTPUT_AUDIO_CLEARED = "output_audio_buffer.cleared"
     TRANSCRIPTION_DELTA = "conversation.item.input_audio_transcription.delta"
     TRANSCRIPTION_COMPLETED = "conversation.item.input_audio_transcription.completed"
+    RATE_LIMITS_UPDATED = "rate_limits.updated"
     # Extensions (sent when the client asked for them).
     BEAT = "voicechat.beat"
+    EXT_AUDIO_DELTA = "voicechat.output_audio.delta"  # the stream's audio outside any response
     ROLLED_OVER = "voicechat.session.rolled_over"
     SESSION_ENDED = "voicechat.session.ended"
+
+
+# The beta names of the events GA renamed (``conversation.item.done`` has none: not sent).
+BETA_NAMES = {
+    ServerEvent.AUDIO_DELTA: "response.audio.delta",
+    ServerEvent.AUDIO_DONE: "response.audio.done",
+    ServerEvent.AUDIO_TRANSCRIPT_DELTA: "response.audio_transcript.delta",
+    ServerEvent.AUDIO_TRANSCRIPT_DONE: "response.audio_transcript.done",
+    ServerEvent.ITEM_ADDED: "conversation.item.created",
+}
 
 
 class ErrorType(enum.StrEnum):
@@ -107,7 +157,7 @@ class ErrorCode(enum.StrEnum):
     INVALID_JSON = "invalid_json"
     INVALID_EVENT = "invalid_event"
     UNKNOWN_EVENT = "unknown_event"
-    UNSUPPORTED_EVENT = "unsupported_event"
+    INVALID_VALUE = "invalid_value"  # a field of a known event with a value it cannot take
     BINARY_NOT_SUPPORTED = "binary_message_not_supported"
     INVALID_AUDIO = "invalid_audio"
     INVALID_SESSION_CONFIG = "invalid_session_config"
@@ -119,6 +169,14 @@ class ErrorCode(enum.StrEnum):
     SESSION_EXPIRED = "session_expired"  # the Realtime API's code for a session past its limit
     IDLE_TIMEOUT = "idle_timeout"
     SESSION_FAILED = "session_failed"
+    # The Realtime API's own codes for these cases.
+    ACTIVE_RESPONSE = "conversation_already_has_active_response"
+    CANCEL_NOT_ACTIVE = "response_cancel_not_active"
+    TRUNCATE_INVALID_ITEM = "item_truncate_invalid_item_id"
+    DELETE_INVALID_ITEM = "item_delete_invalid_item_id"
+    RETRIEVE_INVALID_ITEM = "item_retrieve_invalid_item_id"
+    INVALID_API_KEY = "invalid_api_key"
+    ORIGIN_NOT_ALLOWED = "origin_not_allowed"
 
 
 class CloseCode(enum.IntEnum):
@@ -126,7 +184,7 @@ class CloseCode(enum.IntEnum):
 
     NORMAL = 1000
     GOING_AWAY = 1001  # the server is shutting down
-    POLICY_VIOLATION = 1008  # too many protocol errors
+    POLICY_VIOLATION = 1008  # too many protocol errors, or no valid API key
     MESSAGE_TOO_BIG = 1009
     INTERNAL_ERROR = 1011  # the session failed
     TRY_AGAIN_LATER = 1013  # no free slot
@@ -199,82 +257,213 @@ def error_event(
 
 @dataclasses.dataclass(frozen=True)
 class SessionConfig:
-    """What a client chose for its session (``session.update``)."""
+    """A session's settings: what the client chose (``session.update``) and what the server is
+    (``voice``, ``model``: reported, not changeable)."""
 
     input_rate: int = DEFAULT_RATE
     output_rate: int = DEFAULT_RATE
     extensions: bool = False  # send the ``voicechat.*`` events and fields
+    voice: str = "Aria"  # the model's one voice (``ModelConfig.tts.speaker_name``)
+    model: str = "voicechat"
 
     def update(self, session: Any) -> SessionConfig:
-        """This config with a ``session.update``'s ``session`` object applied.
+        """This config with a ``session.update``'s ``session`` object applied (``apply``)."""
+        return self.apply(session)[0]
 
-        Understood: ``input_audio_format`` / ``output_audio_format`` (``"pcm16"`` only), the
-        newer ``audio.input.format`` / ``audio.output.format`` (``{"type": "audio/pcm", "rate":
-        ...}``), and ``voicechat.{events, input_sample_rate, output_sample_rate}``. Every other
-        field (instructions, voice, tools, turn detection, ...) is accepted and ignored: the
-        system prompt is prefilled at start-up and the model takes turns by itself.
+    def apply(self, session: Any) -> tuple[SessionConfig, list[dict]]:
+        """This config with a ``session.update``'s ``session`` object applied, and the fields it
+        could not honour: ``[{"param": "session.<field>", "reason": ...}]``.
+
+        Applied: the audio formats (PCM16; ``audio.{input,output}.format`` ``{"type":
+        "audio/pcm", "rate": R}`` or the beta ``input_audio_format`` / ``output_audio_format``
+        ``"pcm16"``) and ``voicechat.{events, input_sample_rate, output_sample_rate}``. A field
+        that asks for what the session already is (the model's voice, audio out, its turn
+        detection, ``tool_choice`` ``"auto"``, ...) is honoured as it is. Any other value is
+        listed, not applied: the system prompt is prefilled at start-up, the model has one voice,
+        takes turns by itself and always transcribes the caller. A bad audio format or rate
+        raises ``ProtocolError`` and nothing is applied.
         """
         if not isinstance(session, dict):
             raise ProtocolError(
                 ErrorCode.INVALID_SESSION_CONFIG, "session must be an object", param="session"
             )
         cfg = self
-        for key in ("input_audio_format", "output_audio_format"):
-            value = session.get(key)
-            if value is not None and value != "pcm16":
-                raise ProtocolError(
-                    ErrorCode.INVALID_SESSION_CONFIG,
-                    f"{key} {value!r} is not supported; only 'pcm16'",
-                    param=f"session.{key}",
-                )
-        audio = session.get("audio")
-        if isinstance(audio, dict):
-            for side, field in (("input", "input_rate"), ("output", "output_rate")):
-                fmt = (audio.get(side) or {}).get("format")
-                if fmt is None:
-                    continue
-                if not isinstance(fmt, dict) or fmt.get("type", "audio/pcm") != "audio/pcm":
+        skipped: list[dict] = []
+        for key, value in session.items():
+            if key in ("input_audio_format", "output_audio_format"):
+                if value is not None and value != "pcm16":
                     raise ProtocolError(
                         ErrorCode.INVALID_SESSION_CONFIG,
-                        f"audio.{side}.format {fmt!r} is not supported; only audio/pcm",
-                        param=f"session.audio.{side}.format",
+                        f"{key} {value!r} is not supported; only 'pcm16'",
+                        param=f"session.{key}",
                     )
-                if "rate" in fmt:
-                    cfg = dataclasses.replace(cfg, **{field: fmt["rate"]})
-        ext = session.get("voicechat")
-        if ext is not None:
-            if not isinstance(ext, dict):
+            elif key == "audio":
+                cfg = cfg._audio(value, skipped)
+            elif key == "voicechat":
+                cfg = cfg._extensions(value)
+            else:
+                skipped += _not_applied(f"session.{key}", value, _SESSION_FIELDS.get(key), cfg)
+        for rate, rates, side in (
+            (cfg.input_rate, INPUT_RATES, "input"),
+            (cfg.output_rate, OUTPUT_RATES, "output"),
+        ):
+            if rate not in rates or isinstance(rate, bool):
                 raise ProtocolError(
                     ErrorCode.INVALID_SESSION_CONFIG,
-                    "voicechat must be an object",
-                    param="session.voicechat",
+                    f"{side} sample rate {rate!r} is not supported; one of {rates}",
+                    param=f"session.voicechat.{side}_sample_rate",
                 )
-            if "events" in ext:
-                cfg = dataclasses.replace(cfg, extensions=bool(ext["events"]))
-            if "input_sample_rate" in ext:
-                cfg = dataclasses.replace(cfg, input_rate=ext["input_sample_rate"])
-            if "output_sample_rate" in ext:
-                cfg = dataclasses.replace(cfg, output_rate=ext["output_sample_rate"])
-        if cfg.input_rate not in INPUT_RATES or isinstance(cfg.input_rate, bool):
+        return cfg, skipped
+
+    def _audio(self, audio: Any, skipped: list[dict]) -> SessionConfig:
+        if audio is None:
+            return self
+        if not isinstance(audio, dict):
             raise ProtocolError(
-                ErrorCode.INVALID_SESSION_CONFIG,
-                f"input sample rate {cfg.input_rate!r} is not supported; one of {INPUT_RATES}",
-                param="session.voicechat.input_sample_rate",
+                ErrorCode.INVALID_SESSION_CONFIG, "audio must be an object", param="session.audio"
             )
-        if cfg.output_rate not in OUTPUT_RATES or isinstance(cfg.output_rate, bool):
-            raise ProtocolError(
-                ErrorCode.INVALID_SESSION_CONFIG,
-                f"output sample rate {cfg.output_rate!r} is not supported; one of {OUTPUT_RATES}",
-                param="session.voicechat.output_sample_rate",
-            )
+        cfg = self
+        for side, field in (("input", "input_rate"), ("output", "output_rate")):
+            config = audio.get(side) or {}
+            if not isinstance(config, dict):
+                raise ProtocolError(
+                    ErrorCode.INVALID_SESSION_CONFIG,
+                    f"audio.{side} must be an object",
+                    param=f"session.audio.{side}",
+                )
+            for key, value in config.items():
+                param = f"session.audio.{side}.{key}"
+                if key != "format":
+                    skipped += _not_applied(param, value, _AUDIO_FIELDS.get(key), cfg)
+                    continue
+                if value is None:
+                    continue
+                if not isinstance(value, dict) or value.get("type", "audio/pcm") != "audio/pcm":
+                    raise ProtocolError(
+                        ErrorCode.INVALID_SESSION_CONFIG,
+                        f"audio.{side}.format {value!r} is not supported; only audio/pcm",
+                        param=param,
+                    )
+                if "rate" in value:
+                    cfg = dataclasses.replace(cfg, **{field: value["rate"]})
+        for key in audio.keys() - {"input", "output"}:
+            skipped += _not_applied(f"session.audio.{key}", audio[key], None, cfg)
         return cfg
+
+    def _extensions(self, ext: Any) -> SessionConfig:
+        if ext is None:
+            return self
+        if not isinstance(ext, dict):
+            raise ProtocolError(
+                ErrorCode.INVALID_SESSION_CONFIG,
+                "voicechat must be an object",
+                param="session.voicechat",
+            )
+        cfg = self
+        if "events" in ext:
+            cfg = dataclasses.replace(cfg, extensions=bool(ext["events"]))
+        if "input_sample_rate" in ext:
+            cfg = dataclasses.replace(cfg, input_rate=ext["input_sample_rate"])
+        if "output_sample_rate" in ext:
+            cfg = dataclasses.replace(cfg, output_rate=ext["output_sample_rate"])
+        return cfg
+
+
+_FIXED_PROMPT = "the system prompt is prefilled once at start-up (voicechat-serve --system_prompt)"
+_ONE_VOICE = "the model speaks in its one voice"
+_OWN_TURNS = "the model takes turns by itself; the session's turn_detection is what it does"
+_ALWAYS_TRANSCRIBED = f"the caller is always transcribed, by the model's own {TRANSCRIPTION_MODEL}"
+_FIXED_TOOLS = "the model's tools come with the model; it cannot take others here"
+_AUDIO_OUT = "the model always answers in audio, with its text as the transcript"
+
+
+def _honoured(kind: str, value: Any, cfg: SessionConfig) -> bool:
+    """Whether ``value`` asks for what the session already is (``kind``: which field)."""
+    if value is None:  # the default; but no turn detection or no transcription cannot be
+        return kind not in ("turn_detection", "transcription")
+    if kind == "instructions":
+        return value == ""
+    if kind == "voice":
+        return value == cfg.voice
+    if kind == "modalities":
+        return isinstance(value, list) and "audio" in value
+    if kind == "turn_detection":
+        return isinstance(value, dict) and all(
+            TURN_DETECTION.get(k, object()) == v for k, v in value.items()
+        )
+    if kind == "transcription":
+        return isinstance(value, dict) and all(
+            v is None or (k == "model" and v == TRANSCRIPTION_MODEL) for k, v in value.items()
+        )
+    if kind == "tools":
+        return value == []
+    if kind == "tool_choice":
+        return value == "auto"
+    if kind == "max_tokens":
+        return value == "inf"
+    if kind == "speed":
+        return value == 1.0
+    if kind == "model":
+        return value == cfg.model
+    if kind == "type":
+        return value == "realtime"
+    if kind == "conversation":
+        return value == "auto"
+    # "metadata": echoed in the response; "optional": no value but null.
+    return kind == "metadata"
+
+
+# session.update fields (GA and beta names) -> how they are checked (``_honoured``) and why a
+# value that asks for anything else cannot be applied.
+_SESSION_FIELDS: dict[str, tuple[str, str]] = {
+    "type": ("type", "only realtime (speech-to-speech) sessions"),
+    "model": ("model", "the server serves one model"),
+    "instructions": ("instructions", _FIXED_PROMPT),
+    "prompt": ("optional", _FIXED_PROMPT),
+    "voice": ("voice", _ONE_VOICE),
+    "speed": ("speed", "the model speaks at its own pace"),
+    "modalities": ("modalities", _AUDIO_OUT),
+    "output_modalities": ("modalities", _AUDIO_OUT),
+    "turn_detection": ("turn_detection", _OWN_TURNS),
+    "input_audio_transcription": ("transcription", _ALWAYS_TRANSCRIBED),
+    "input_audio_noise_reduction": ("optional", "no noise reduction: the model hears the input"),
+    "tools": ("tools", _FIXED_TOOLS),
+    "tool_choice": ("tool_choice", _FIXED_TOOLS),
+    "max_output_tokens": ("max_tokens", "a turn is as long as the model makes it"),
+    "max_response_output_tokens": ("max_tokens", "a turn is as long as the model makes it"),
+    "temperature": ("optional", "sampling is set at start-up (voicechat-serve --speech_sampling)"),
+    "tracing": ("optional", "no tracing"),
+    "truncation": ("optional", "the context cap's policy is set at start-up (--at_cap)"),
+    "include": ("optional", "no logprobs"),
+    "reasoning": ("optional", "not a reasoning model"),
+    "parallel_tool_calls": ("optional", _FIXED_TOOLS),
+}
+_AUDIO_FIELDS: dict[str, tuple[str, str]] = {
+    "voice": ("voice", _ONE_VOICE),
+    "speed": ("speed", "the model speaks at its own pace"),
+    "turn_detection": ("turn_detection", _OWN_TURNS),
+    "transcription": ("transcription", _ALWAYS_TRANSCRIBED),
+    "noise_reduction": ("optional", "no noise reduction: the model hears the input"),
+}
+
+
+def _not_applied(
+    param: str, value: Any, rule: tuple[str, str] | None, cfg: SessionConfig
+) -> list[dict]:
+    """``[]`` when ``value`` is honoured, else the one entry that says why not."""
+    if rule is None:
+        return [{"param": param, "reason": "not a field this server knows"}]
+    kind, reason = rule
+    return [] if _honoured(kind, value, cfg) else [{"param": param, "reason": reason}]
 
 
 def parse_client_event(text: str | bytes) -> dict:
     """One client message -> its event (a dict with a string ``type``), or ``ProtocolError``."""
     try:
         event = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise ProtocolError(ErrorCode.INVALID_JSON, "the message nests too deep") from None
+    except ValueError as e:  # not JSON, not UTF-8, or an integer of more digits than Python reads
         raise ProtocolError(ErrorCode.INVALID_JSON, f"the message is not JSON: {e}") from None
     if not isinstance(event, dict):
         raise ProtocolError(ErrorCode.INVALID_EVENT, "an event must be a JSON object")
@@ -338,6 +527,13 @@ class InputAudio:
         self._rest = x[n:].copy()
         return x[:n]
 
+    def clear(self) -> int:
+        """Drops the part of a frame not yet queued (``input_audio_buffer.clear``); returns how
+        many 16 kHz samples it held. Whole frames are the model's already: it hears them at the
+        next beat."""
+        n, self._rest = self._rest.shape[0], np.zeros((0,), np.float32)
+        return n
+
 
 class OutputAudio:
     """The model's 22.05 kHz float32 -> PCM16 bytes at ``rate``, one 80 ms frame in, exactly one
@@ -388,6 +584,11 @@ class Limits:
     user_gap_frames: int = 6  # the caller's turn ends after this many frames with no RNNT token
     agent_gap_frames: int = 50  # an agent turn with no EOS closes after this many quiet frames
     max_turn_ids: int = 512  # ids per turn or call; a longer one is closed and a new one opened
+    # The speech decoder lags its text by about two frames (docs/model.md §2): a turn's response
+    # ends this many frames after its EOS, so that its last words are in it.
+    audio_tail_frames: int = 2
+    request_wait_frames: int = 50  # a response.create's response waits this long for a turn
+    max_items: int = 256  # conversation items kept (retrieve, truncate, delete): oldest forgotten
 
 
 class _Turn:
@@ -399,21 +600,63 @@ class _Turn:
         self.ids: list[int] = []
         self.text = ""
         self.quiet = 0
+        self.output_index = 0  # its place in its response's output
+        self.audio_ms = 0  # its audio sent so far
+
+
+class _Response:
+    """One response: an agent turn's message and the tool calls made while it is open; or a
+    ``response.create``'s, which waits ``wait`` frames at most for the model's next turn."""
+
+    def __init__(self, response_id: str, *, metadata: Any = None, wait: int | None = None):
+        self.id = response_id
+        self.metadata = metadata
+        self.wait = wait
+        self.items: list[dict] = []  # its output items, each as last sent
+        self.message: _Turn | None = None  # the message being voiced (or in its audio tail)
+        self.tail: int | None = None  # frames of audio left once the message's turn closed
+        self.call: _Turn | None = None  # the tool call being made
 
 
 Decoder = Callable[[Sequence[int]], str]
 
+_NO_COMMIT = (
+    "nothing to commit: the model is full duplex and hears the audio as it arrives; each of the "
+    "caller's turns is committed when it ends (input_audio_buffer.speech_stopped)"
+)
+_CLEARED = (
+    "the part of a frame not yet queued was dropped; the audio before it is the model's already "
+    "(it hears each 80 ms frame at the next beat)"
+)
+_TRUNCATED = (
+    "the model's own context keeps the whole turn (it heard itself say it); audio_end_ms is at "
+    "most the audio sent; response.cancel stops a response's audio"
+)
+_ITEM_NOT_HEARD = "the model hears only the call's audio: an item from the client does not reach it"
+_NO_TURN = "the model took no turn in time"
+# response.create's fields (besides the session's) -> as ``_SESSION_FIELDS``.
+_RESPONSE_FIELDS: dict[str, tuple[str, str]] = {
+    "conversation": ("conversation", "every response is in the call's one conversation"),
+    "input": ("optional", _ITEM_NOT_HEARD),
+    "audio": ("optional", "the response's audio is the session's"),
+    "metadata": ("metadata", ""),
+}
+
 
 class CallEvents:
-    """One session's events, built from its beats; see the module docstring.
+    """One session's events, built from its beats and the client's conversation events; see the
+    module docstring.
 
     Args:
       session_id: the session's id (the ``session.id`` the client sees).
       text_decode: LLM ids -> text (the agent's words and tool calls); None: ids only.
       asr_decode: RNNT ids -> text (the caller's words); None: ids only.
       limits: turn gaps and bounds.
+      beta: the client asked for the beta API: its event names and shapes.
+      context_frames: the session's context cap, reported in ``rate_limits.updated``; None: not
+        reported.
 
-    Not thread-safe: one connection's sender owns it.
+    Not thread-safe: one connection's event loop owns it (its reader and sender take turns).
     """
 
     def __init__(
@@ -423,18 +666,29 @@ class CallEvents:
         text_decode: Decoder | None = None,
         asr_decode: Decoder | None = None,
         limits: Limits | None = None,
+        beta: bool = False,
+        context_frames: int | None = None,
     ):
         self.session_id = session_id
         self.text_decode = text_decode
         self.asr_decode = asr_decode
         self.limits = limits or Limits()
-        self.response_id = f"resp_{session_id}"
-        self.audio_item_id = f"item_{session_id}_audio"  # audio between the agent's turns
+        self.beta = beta
+        self.context_frames = context_frames
+        self.conversation_id = f"conv_{session_id}"
         self._ids = itertools.count()
         self._events = itertools.count()
-        self._agent: _Turn | None = None
-        self._call: _Turn | None = None
-        self._user: _Turn | None = None
+        self._responses = itertools.count()
+        self._agent: _Turn | None = None  # the text channel's open turn
+        self._call: _Turn | None = None  # the function channel's open call
+        self._user: _Turn | None = None  # the caller's open turn
+        self._response: _Response | None = None  # the active response
+        self._last_response_id = ""
+        # The conversation, oldest first (bounded), and the audio sent for each agent message.
+        self._items: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self._audio_ms: dict[str, int] = {}
+        self._frame = 0  # the frame being built
+        self._context_start = 0  # the frame its context began at (0, or the last rollover)
         self.last_tick: int | None = None
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -443,7 +697,10 @@ class CallEvents:
         return f"item_{self.session_id}_{kind}{next(self._ids)}"
 
     def stamp(self, event: dict) -> dict:
-        """Gives the event its ``event_id`` (every server event has one)."""
+        """Gives the event its ``event_id`` (every server event has one) and, for a beta client,
+        its beta name."""
+        if self.beta:
+            event["type"] = BETA_NAMES.get(event["type"], event["type"])
         event.setdefault("event_id", f"event_{self.session_id}_{next(self._events)}")
         return event
 
@@ -461,57 +718,438 @@ class CallEvents:
     def _ext(self, extensions: bool, **fields) -> dict:
         return {"voicechat": fields} if extensions else {}
 
+    def _cancelled_turn(self) -> bool:
+        """The text channel is in a turn whose response the client cancelled (not sent)."""
+        resp = self._response
+        return self._agent is not None and (resp is None or resp.message is not self._agent)
+
+    # ---- the conversation --------------------------------------------------------------------
+
+    def _item_added(self, item: dict) -> list[dict]:
+        """Keeps a new item (the oldest forgotten past ``max_items``): its
+        ``conversation.item.added`` (beta: ``.created``)."""
+        previous = next(reversed(self._items), None)
+        self._items[item["id"]] = item
+        while len(self._items) > self.limits.max_items:
+            old, _ = self._items.popitem(last=False)
+            self._audio_ms.pop(old, None)
+        return [{"type": str(ServerEvent.ITEM_ADDED), "previous_item_id": previous, "item": item}]
+
+    def _item_done(self, item: dict) -> list[dict]:
+        """An item complete: kept as it now is; its ``conversation.item.done`` (GA only)."""
+        if item["id"] in self._items:
+            self._items[item["id"]] = item
+        return [] if self.beta else [{"type": str(ServerEvent.ITEM_DONE), "item": item}]
+
+    def _message(self, turn: _Turn, status: str) -> dict:
+        content = [{"type": "audio" if self.beta else "output_audio", "transcript": turn.text}]
+        return {
+            "id": turn.item_id,
+            "object": "realtime.item",
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": content if status != "in_progress" else [],
+        }
+
+    @staticmethod
+    def _function_call(call: _Turn, status: str, name: str = "", arguments: str = "") -> dict:
+        return {
+            "id": call.item_id,
+            "object": "realtime.item",
+            "type": "function_call",
+            "status": status,
+            "call_id": f"call_{call.item_id}",
+            "name": name,
+            "arguments": arguments,
+        }
+
+    # ---- responses ---------------------------------------------------------------------------
+
+    def _response_object(self, resp: _Response, status: str, details: dict | None) -> dict:
+        modalities = (
+            {"modalities": ["audio", "text"]} if self.beta else {"output_modalities": ["audio"]}
+        )
+        return {
+            "id": resp.id,
+            "object": "realtime.response",
+            "status": status,
+            "status_details": details,
+            "output": list(resp.items),
+            "conversation_id": self.conversation_id,
+            "metadata": resp.metadata,
+            **modalities,
+        }
+
+    def _open_response(
+        self, *, metadata: Any = None, wait: int | None = None, note: dict | None = None
+    ) -> list[dict]:
+        resp = _Response(
+            f"resp_{self.session_id}_{next(self._responses)}", metadata=metadata, wait=wait
+        )
+        self._response = resp
+        event = {
+            "type": str(ServerEvent.RESPONSE_CREATED),
+            "response": self._response_object(resp, "in_progress", None),
+        }
+        if note:
+            event["voicechat"] = note
+        return [event]
+
+    def _close_response(
+        self,
+        status: str = "completed",
+        reason: str | None = None,
+        *,
+        error: dict | None = None,
+        note: str | None = None,
+    ) -> list[dict]:
+        """``response.done`` for the active response (its open items closed first by the caller),
+        then ``rate_limits.updated``."""
+        resp, self._response = self._response, None
+        if resp is None:
+            return []
+        self._last_response_id = resp.id
+        details = None
+        if status != "completed":
+            details = {"type": status, "reason": reason, **({"error": error} if error else {})}
+        event = {
+            "type": str(ServerEvent.RESPONSE_DONE),
+            "response": self._response_object(resp, status, details),
+        }
+        if note:
+            event["voicechat"] = {"note": note}
+        return [event, *self._rate_limits()]
+
+    def _rate_limits(self) -> list[dict]:
+        """The session's context as a token limit: one frame is one step of the model."""
+        if self.context_frames is None:
+            return []
+        remaining = max(0, self.context_frames - (self._frame + 1 - self._context_start))
+        limit = {
+            "name": "tokens",
+            "limit": self.context_frames,
+            "remaining": remaining,
+            "reset_seconds": remaining * FRAME_MS / 1000,
+        }
+        return [{"type": str(ServerEvent.RATE_LIMITS_UPDATED), "rate_limits": [limit]}]
+
+    def _finish_message(self, resp: _Response, status: str) -> list[dict]:
+        turn, resp.message, resp.tail = resp.message, None, None
+        item = self._message(turn, status)
+        resp.items[turn.output_index] = item
+        common = {
+            "response_id": resp.id,
+            "item_id": turn.item_id,
+            "output_index": turn.output_index,
+            "content_index": 0,
+        }
+        return [
+            {"type": str(ServerEvent.AUDIO_DONE), **common},
+            {"type": str(ServerEvent.AUDIO_TRANSCRIPT_DONE), **common, "transcript": turn.text},
+            {
+                "type": str(ServerEvent.CONTENT_PART_DONE),
+                **common,
+                "part": {"type": "audio", "transcript": turn.text},
+            },
+            {
+                "type": str(ServerEvent.OUTPUT_ITEM_DONE),
+                "response_id": resp.id,
+                "output_index": turn.output_index,
+                "item": item,
+            },
+            *self._item_done(item),
+        ]
+
+    def _finish_call(self, resp: _Response, status: str) -> list[dict]:
+        call, resp.call = resp.call, None
+        name, arguments = parse_tool_call(call.text)
+        item = self._function_call(call, status, name, arguments)
+        resp.items[call.output_index] = item
+        return [
+            {
+                "type": str(ServerEvent.FUNCTION_ARGUMENTS_DONE),
+                "response_id": resp.id,
+                "item_id": call.item_id,
+                "output_index": call.output_index,
+                "call_id": item["call_id"],
+                "name": name,
+                "arguments": arguments,
+            },
+            {
+                "type": str(ServerEvent.OUTPUT_ITEM_DONE),
+                "response_id": resp.id,
+                "output_index": call.output_index,
+                "item": item,
+            },
+            *self._item_done(item),
+        ]
+
+    def _cut(self, status: str, reason: str | None, error: dict | None = None) -> list[dict]:
+        """Ends the active response before its turn does: its open items ``incomplete``. The rest
+        of the turn is not sent."""
+        resp = self._response
+        events = []
+        if resp.message is not None:
+            events += self._finish_message(resp, "incomplete")
+        if resp.call is not None:
+            events += self._finish_call(resp, "incomplete")
+        return events + self._close_response(status, reason, error=error)
+
     # ---- session-level events ----------------------------------------------------------------
 
     def session_object(self, cfg: SessionConfig, info: dict) -> dict:
-        """The ``session`` object of ``session.created`` / ``session.updated``."""
-        return {
-            "id": self.session_id,
-            "object": "realtime.session",
-            "modalities": ["audio", "text"],
-            "input_audio_format": "pcm16",
-            "output_audio_format": "pcm16",
-            "turn_detection": None,  # full duplex: the model takes turns by itself
-            "audio": {
-                "input": {"format": {"type": "audio/pcm", "rate": cfg.input_rate}},
-                "output": {"format": {"type": "audio/pcm", "rate": cfg.output_rate}},
-            },
+        """The ``session`` object of ``session.created`` / ``session.updated``: the session as it
+        is (GA or beta shape), with the server's own figures in ``voicechat``."""
+        ext = {
             "voicechat": {
                 "protocol_version": PROTOCOL_VERSION,
+                "realtime_api": "beta" if self.beta else REALTIME_API,
                 "events": cfg.extensions,
                 "input_sample_rate": cfg.input_rate,
                 "output_sample_rate": cfg.output_rate,
                 "frame_ms": FRAME_MS,
                 **info,
+            }
+        }
+        transcription = {"model": TRANSCRIPTION_MODEL}
+        common = {"id": self.session_id, "object": "realtime.session", "instructions": None}
+        if self.beta:
+            return {
+                **common,
+                "modalities": ["audio", "text"],
+                "voice": cfg.voice,
+                "input_audio_format": "pcm16",
+                "output_audio_format": "pcm16",
+                "input_audio_transcription": transcription,
+                "turn_detection": dict(TURN_DETECTION),
+                "tools": [],
+                "tool_choice": "auto",
+                "max_response_output_tokens": "inf",
+                "speed": 1.0,
+                **ext,
+            }
+        return {
+            "type": "realtime",
+            **common,
+            "model": cfg.model,
+            "output_modalities": ["audio"],
+            "audio": {
+                "input": {
+                    "format": {"type": "audio/pcm", "rate": cfg.input_rate},
+                    "transcription": transcription,
+                    "noise_reduction": None,
+                    "turn_detection": dict(TURN_DETECTION),
+                },
+                "output": {
+                    "format": {"type": "audio/pcm", "rate": cfg.output_rate},
+                    "voice": cfg.voice,
+                    "speed": 1.0,
+                },
             },
+            "tools": [],
+            "tool_choice": "auto",
+            "max_output_tokens": "inf",
+            **ext,
         }
 
-    def response_created(self) -> dict:
+    def session_created(self, cfg: SessionConfig, info: dict) -> dict:
         return self.stamp(
             {
-                "type": str(ServerEvent.RESPONSE_CREATED),
-                "response": {
-                    "id": self.response_id,
-                    "object": "realtime.response",
-                    "status": "in_progress",
-                    "output": [],
-                },
+                "type": str(ServerEvent.SESSION_CREATED),
+                "session": self.session_object(cfg, info),
             }
         )
+
+    def session_updated(self, cfg: SessionConfig, info: dict, not_applied: list[dict]) -> dict:
+        """``session.updated``: the session as applied, and what of the update was not
+        (``voicechat.not_applied``, ``SessionConfig.apply``)."""
+        return self.stamp(
+            {
+                "type": str(ServerEvent.SESSION_UPDATED),
+                "session": self.session_object(cfg, info),
+                "voicechat": {"not_applied": not_applied},
+            }
+        )
+
+    # ---- the client's conversation events ----------------------------------------------------
+
+    def control(self, event: dict, cfg: SessionConfig) -> list[dict]:
+        """The answer to a client's response, conversation or buffer event (``CONTROL``): its
+        acknowledgement, or ``ProtocolError`` with the Realtime API's code for the case."""
+        event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+        handle = {
+            ClientEvent.RESPONSE_CREATE: self._response_create,
+            ClientEvent.RESPONSE_CANCEL: self._response_cancel,
+            ClientEvent.OUTPUT_AUDIO_CLEAR: self._output_audio_clear,
+            ClientEvent.INPUT_AUDIO_COMMIT: self._input_commit,
+            ClientEvent.INPUT_AUDIO_CLEAR: self._input_clear,
+            ClientEvent.ITEM_CREATE: self._item_create,
+            ClientEvent.ITEM_TRUNCATE: self._item_truncate,
+            ClientEvent.ITEM_DELETE: self._item_delete,
+            ClientEvent.ITEM_RETRIEVE: self._item_retrieve,
+        }[ClientEvent(event["type"])]
+        return [self.stamp(e) for e in handle(event, event_id, cfg)]
+
+    def _response_create(self, event: dict, event_id: str | None, cfg: SessionConfig) -> list:
+        """A response for the model's next turn (the model decides when it speaks): between
+        turns, ``response.created`` now; the next turn within ``request_wait_frames`` is its
+        output, else it ends ``incomplete`` with none."""
+        if self._response is not None:
+            raise ProtocolError(
+                ErrorCode.ACTIVE_RESPONSE,
+                f"Conversation already has an active response in progress: {self._response.id}. "
+                "Wait until the response is finished before creating a new one.",
+                event_id=event_id,
+            )
+        params = event.get("response") or {}
+        if not isinstance(params, dict):
+            raise ProtocolError(
+                ErrorCode.INVALID_VALUE,
+                "response must be an object",
+                event_id=event_id,
+                param="response",
+            )
+        skipped = []
+        for key, value in params.items():
+            rule = _RESPONSE_FIELDS.get(key, _SESSION_FIELDS.get(key))
+            skipped += _not_applied(f"response.{key}", value, rule, cfg)
+        return self._open_response(
+            metadata=params.get("metadata"),
+            wait=self.limits.request_wait_frames,
+            note={"not_applied": skipped} if skipped else None,
+        )
+
+    def _response_cancel(self, event: dict, event_id: str | None, cfg: SessionConfig) -> list:
+        resp, wanted = self._response, event.get("response_id")
+        if resp is None or (wanted is not None and wanted != resp.id):
+            raise ProtocolError(
+                ErrorCode.CANCEL_NOT_ACTIVE,
+                "Cancellation failed: no active response found",
+                event_id=event_id,
+            )
+        return self._cut("cancelled", "client_cancelled")
+
+    def _output_audio_clear(self, event: dict, event_id: str | None, cfg: SessionConfig) -> list:
+        """The client stops playing: the active response is cut as by ``response.cancel``."""
+        resp = self._response
+        events = [] if resp is None else self._cut("cancelled", "client_cancelled")
+        response_id = self._last_response_id if resp is None else resp.id
+        return [
+            *events,
+            {"type": str(ServerEvent.OUTPUT_AUDIO_CLEARED), "response_id": response_id},
+        ]
+
+    def _input_commit(self, event: dict, event_id: str | None, cfg: SessionConfig) -> list:
+        item_id = self._item_id("user") if self._user is None else self._user.item_id
+        return [
+            {
+                "type": str(ServerEvent.INPUT_COMMITTED),
+                "previous_item_id": next(reversed(self._items), None),
+                "item_id": item_id,
+                "voicechat": {"note": _NO_COMMIT},
+            }
+        ]
+
+    def _input_clear(self, event: dict, event_id: str | None, cfg: SessionConfig) -> list:
+        return [{"type": str(ServerEvent.INPUT_CLEARED), "voicechat": {"note": _CLEARED}}]
+
+    def _item_create(self, event: dict, event_id: str | None, cfg: SessionConfig) -> list:
+        item = event.get("item")
+        if not isinstance(item, dict) or item.get("type") not in (
+            "message",
+            "function_call",
+            "function_call_output",
+        ):
+            raise ProtocolError(
+                ErrorCode.INVALID_VALUE,
+                "item must be an object of type message, function_call or function_call_output",
+                event_id=event_id,
+                param="item",
+            )
+        item = {"object": "realtime.item", "status": "completed", **item}
+        if not isinstance(item.get("id"), str) or not item["id"]:
+            item["id"] = self._item_id("client")
+        added = self._item_added(item)
+        added[0]["voicechat"] = {"not_applied": [{"param": "item", "reason": _ITEM_NOT_HEARD}]}
+        return added + self._item_done(item)
+
+    def _known_item(self, event: dict, event_id: str | None, code: ErrorCode, verb: str) -> dict:
+        item_id = event.get("item_id")
+        item = self._items.get(item_id) if isinstance(item_id, str) else None
+        if item is None:
+            raise ProtocolError(
+                code,
+                f"Error {verb} item: the item with id {item_id!r} does not exist.",
+                event_id=event_id,
+                param="item_id",
+            )
+        return item
+
+    def _item_truncate(self, event: dict, event_id: str | None, cfg: SessionConfig) -> list:
+        item = self._known_item(event, event_id, ErrorCode.TRUNCATE_INVALID_ITEM, "truncating")
+        if item.get("type") != "message" or item.get("role") != "assistant":
+            raise ProtocolError(
+                ErrorCode.TRUNCATE_INVALID_ITEM,
+                "only the assistant's audio messages can be truncated",
+                event_id=event_id,
+                param="item_id",
+            )
+        end_ms = event.get("audio_end_ms")
+        if not isinstance(end_ms, int) or isinstance(end_ms, bool) or end_ms < 0:
+            raise ProtocolError(
+                ErrorCode.INVALID_VALUE,
+                "audio_end_ms must be an integer >= 0",
+                event_id=event_id,
+                param="audio_end_ms",
+            )
+        if event.get("content_index", 0) != 0:
+            raise ProtocolError(
+                ErrorCode.INVALID_VALUE,
+                "content_index must be 0: an audio message has one content part",
+                event_id=event_id,
+                param="content_index",
+            )
+        return [
+            {
+                "type": str(ServerEvent.ITEM_TRUNCATED),
+                "item_id": item["id"],
+                "content_index": 0,
+                "audio_end_ms": min(end_ms, self._audio_ms.get(item["id"], 0)),
+                "voicechat": {"note": _TRUNCATED},
+            }
+        ]
+
+    def _item_delete(self, event: dict, event_id: str | None, cfg: SessionConfig) -> list:
+        item = self._known_item(event, event_id, ErrorCode.DELETE_INVALID_ITEM, "deleting")
+        del self._items[item["id"]]
+        self._audio_ms.pop(item["id"], None)
+        return [{"type": str(ServerEvent.ITEM_DELETED), "item_id": item["id"]}]
+
+    def _item_retrieve(self, event: dict, event_id: str | None, cfg: SessionConfig) -> list:
+        item = self._known_item(event, event_id, ErrorCode.RETRIEVE_INVALID_ITEM, "retrieving")
+        return [{"type": str(ServerEvent.ITEM_RETRIEVED), "item": item}]
 
     # ---- one frame ---------------------------------------------------------------------------
 
     def beat(
         self, beat: StreamBeat, audio: Sequence[bytes], cfg: SessionConfig, *, dropped: int = 0
     ) -> list[list[dict]]:
-        """The events of each of the beat's frames (``audio``: each frame's PCM16 at the
-        client's rate). ``dropped``: output beats the stream dropped before this one."""
-        T = beat.text.shape[0]
-        frames: list[list[dict]] = []
-        for t in range(T):
-            events: list[dict] = []
-            frame = beat.frame + t
-            if t == 0 and cfg.extensions:
+        """The events of each of the beat's frames (``frame``, for all of them at once)."""
+        return [
+            self.frame(beat, t, audio[t], cfg, dropped=dropped) for t in range(beat.text.shape[0])
+        ]
+
+    def frame(
+        self, beat: StreamBeat, t: int, pcm: bytes, cfg: SessionConfig, *, dropped: int = 0
+    ) -> list[dict]:
+        """The events of the beat's frame ``t`` (``pcm``: its audio, PCM16 at the client's rate),
+        built as it is sent, after the client's events before it. ``dropped``: output beats the
+        stream dropped before this beat. The frame's audio delta comes last."""
+        events: list[dict] = []
+        frame = self._frame = beat.frame + t
+        if t == 0:
+            if cfg.extensions:
                 stamp = beat.stamp
                 skipped = 0 if self.last_tick is None else stamp.tick - self.last_tick - 1
                 events.append(
@@ -519,7 +1157,7 @@ class CallEvents:
                         "type": str(ServerEvent.BEAT),
                         "tick": stamp.tick,
                         "frame": beat.frame,
-                        "frames": T,
+                        "frames": beat.text.shape[0],
                         "latency_ms": round(1e3 * stamp.latency, 3),
                         "missed": stamp.missed,
                         "ticks_skipped": max(0, skipped),
@@ -531,99 +1169,132 @@ class CallEvents:
                     events.append(
                         {"type": str(ServerEvent.ROLLED_OVER), "frame": frame, **beat.rollover}
                     )
-            if t == 0:
-                self.last_tick = beat.stamp.tick
-            events += self._agent_frame(int(beat.text[t]), frame, cfg.extensions)
-            events += self._call_frame(int(beat.function[t]), frame, cfg.extensions)
-            events += self._user_frame(beat.transcript[t], frame, cfg.extensions)
-            item = self._agent.item_id if self._agent is not None else self.audio_item_id
+            if beat.rollover is not None:
+                self._context_start = frame
+            self.last_tick = beat.stamp.tick
+        ext = cfg.extensions
+        events += self._agent_frame(int(beat.text[t]), frame, ext)
+        events += self._call_frame(int(beat.function[t]), frame, ext)
+        events += self._user_frame(beat.transcript[t], frame, ext)
+        events += self._audio_frame(pcm, frame, ext)
+        return [self.stamp(e) for e in events]
+
+    def _audio_frame(self, pcm: bytes, frame: int, ext: bool) -> list[dict]:
+        """The frame's audio: the active response's while its message is voiced; else, with the
+        extensions on, the stream's (``voicechat.output_audio.delta``); a cancelled turn's,
+        never."""
+        events: list[dict] = []
+        resp = self._response
+        if resp is not None and resp.message is not None:
+            turn = resp.message
             events.append(
                 {
                     "type": str(ServerEvent.AUDIO_DELTA),
-                    "response_id": self.response_id,
-                    "item_id": item,
-                    "output_index": 0,
+                    "response_id": resp.id,
+                    "item_id": turn.item_id,
+                    "output_index": turn.output_index,
                     "content_index": 0,
-                    "delta": b64(audio[t]),
+                    "delta": b64(pcm),
                 }
             )
-            frames.append([self.stamp(e) for e in events])
-        return frames
+            turn.audio_ms += FRAME_MS
+            self._audio_ms[turn.item_id] = turn.audio_ms
+            if resp.tail is not None and resp.tail > 0:
+                resp.tail -= 1
+            elif resp.tail is not None:  # the turn's audio is out: its response ends
+                events += self._finish_message(resp, "completed")
+                if resp.call is None:
+                    events += self._close_response()
+        elif ext and not self._cancelled_turn():
+            events.append(
+                {"type": str(ServerEvent.EXT_AUDIO_DELTA), "frame": frame, "delta": b64(pcm)}
+            )
+        if resp is not None and resp.wait is not None:
+            resp.wait -= 1
+            if resp.wait <= 0:
+                events += self._close_response("incomplete", note=_NO_TURN)
+        return events
 
     def _agent_frame(self, x: int, frame: int, ext: bool) -> list[dict]:
         events: list[dict] = []
         turn = self._agent
         if x == BOS_ID or (x not in TEXT_SKIP and turn is None):
-            if turn is not None:
-                events += self._close_agent()
+            self._close_agent()
             turn = self._agent = _Turn(self._item_id("agent"), frame)
-            events.append(
-                {
-                    "type": str(ServerEvent.OUTPUT_ITEM_ADDED),
-                    "response_id": self.response_id,
-                    "output_index": 0,
-                    "item": {
-                        "id": turn.item_id,
-                        "object": "realtime.item",
-                        "type": "message",
-                        "role": "assistant",
-                        "status": "in_progress",
-                        "content": [],
-                    },
-                }
-            )
+            events += self._open_message(turn)
         if turn is None:
             return events
         if x == EOS_ID:
-            return events + self._close_agent()
+            self._close_agent()
+            return events
         if x in TEXT_SKIP:
             turn.quiet += 1
             if turn.quiet >= self.limits.agent_gap_frames:
-                events += self._close_agent()
+                self._close_agent()
             return events
         turn.quiet = 0
         turn.ids.append(x)
-        events.append(
-            {
-                "type": str(ServerEvent.AUDIO_TRANSCRIPT_DELTA),
-                "response_id": self.response_id,
-                "item_id": turn.item_id,
-                "output_index": 0,
-                "content_index": 0,
-                "delta": self._decode(self.text_decode, turn),
-                **self._ext(ext, ids=[x], frame=frame),
-            }
-        )
+        delta = self._decode(self.text_decode, turn)
+        resp = self._response
+        if resp is not None and resp.message is turn:
+            events.append(
+                {
+                    "type": str(ServerEvent.AUDIO_TRANSCRIPT_DELTA),
+                    "response_id": resp.id,
+                    "item_id": turn.item_id,
+                    "output_index": turn.output_index,
+                    "content_index": 0,
+                    "delta": delta,
+                    **self._ext(ext, ids=[x], frame=frame),
+                }
+            )
         if len(turn.ids) >= self.limits.max_turn_ids:
-            events += self._close_agent()
+            self._close_agent()
         return events
 
-    def _close_agent(self) -> list[dict]:
-        turn, self._agent = self._agent, None
-        if turn is None:
-            return []
-        common = {"response_id": self.response_id, "output_index": 0}
+    def _open_message(self, turn: _Turn) -> list[dict]:
+        """A new agent turn: its message in the active response (a ``response.create``'s that
+        waits for it), else in a new one; the last turn's response ends here if its audio tail
+        has not."""
+        events: list[dict] = []
+        resp = self._response
+        if resp is not None and resp.message is not None:
+            events += self._finish_message(resp, "completed")
+            if resp.call is None:
+                events += self._close_response()
+        if self._response is None:
+            events += self._open_response()
+        resp = self._response
+        resp.wait = None
+        resp.message = turn
+        turn.output_index = len(resp.items)
+        item = self._message(turn, "in_progress")
+        resp.items.append(item)
         return [
+            *events,
             {
-                "type": str(ServerEvent.AUDIO_TRANSCRIPT_DONE),
-                **common,
-                "item_id": turn.item_id,
-                "content_index": 0,
-                "transcript": turn.text,
+                "type": str(ServerEvent.OUTPUT_ITEM_ADDED),
+                "response_id": resp.id,
+                "output_index": turn.output_index,
+                "item": item,
             },
+            *self._item_added(item),
             {
-                "type": str(ServerEvent.OUTPUT_ITEM_DONE),
-                **common,
-                "item": {
-                    "id": turn.item_id,
-                    "object": "realtime.item",
-                    "type": "message",
-                    "role": "assistant",
-                    "status": "completed",
-                    "content": [{"type": "audio", "transcript": turn.text}],
-                },
+                "type": str(ServerEvent.CONTENT_PART_ADDED),
+                "response_id": resp.id,
+                "item_id": turn.item_id,
+                "output_index": turn.output_index,
+                "content_index": 0,
+                "part": {"type": "audio", "transcript": ""},
             },
         ]
+
+    def _close_agent(self) -> None:
+        """The text channel's turn ends; its response ends once its audio tail is out."""
+        turn, self._agent = self._agent, None
+        resp = self._response
+        if turn is not None and resp is not None and resp.message is turn:
+            resp.tail = self.limits.audio_tail_frames
 
     def _call_frame(self, x: int, frame: int, ext: bool) -> list[dict]:
         """The function channel: ids between SOTC and EOTC are a tool call's text."""
@@ -633,73 +1304,58 @@ class CallEvents:
             if call is not None:
                 events += self._close_call("incomplete")
             call = self._call = _Turn(self._item_id("call"), frame)
-            events.append(
-                {
-                    "type": str(ServerEvent.OUTPUT_ITEM_ADDED),
-                    "response_id": self.response_id,
-                    "output_index": 0,
-                    "item": {
-                        "id": call.item_id,
-                        "object": "realtime.item",
-                        "type": "function_call",
-                        "status": "in_progress",
-                        "call_id": f"call_{call.item_id}",
-                        "name": "",
-                        "arguments": "",
-                    },
-                }
-            )
-            return events
+            return events + self._open_call(call)
         if call is None or x in (PAD_ID, EOTR_ID):
             return events
         if x == EOTC_ID:
             return self._close_call("completed")
         call.ids.append(x)
-        events.append(
-            {
-                "type": str(ServerEvent.FUNCTION_ARGUMENTS_DELTA),
-                "response_id": self.response_id,
-                "item_id": call.item_id,
-                "output_index": 0,
-                "call_id": f"call_{call.item_id}",
-                "delta": self._decode(self.text_decode, call),
-                **self._ext(ext, ids=[x], frame=frame),
-            }
-        )
+        delta = self._decode(self.text_decode, call)
+        resp = self._response
+        if resp is not None and resp.call is call:
+            events.append(
+                {
+                    "type": str(ServerEvent.FUNCTION_ARGUMENTS_DELTA),
+                    "response_id": resp.id,
+                    "item_id": call.item_id,
+                    "output_index": call.output_index,
+                    "call_id": f"call_{call.item_id}",
+                    "delta": delta,
+                    **self._ext(ext, ids=[x], frame=frame),
+                }
+            )
         if len(call.ids) >= self.limits.max_turn_ids:
             events += self._close_call("incomplete")
         return events
 
+    def _open_call(self, call: _Turn) -> list[dict]:
+        events = self._open_response() if self._response is None else []
+        resp = self._response
+        resp.wait = None
+        resp.call = call
+        call.output_index = len(resp.items)
+        item = self._function_call(call, "in_progress")
+        resp.items.append(item)
+        return [
+            *events,
+            {
+                "type": str(ServerEvent.OUTPUT_ITEM_ADDED),
+                "response_id": resp.id,
+                "output_index": call.output_index,
+                "item": item,
+            },
+            *self._item_added(item),
+        ]
+
     def _close_call(self, status: str) -> list[dict]:
         call, self._call = self._call, None
-        if call is None:
+        resp = self._response
+        if call is None or resp is None or resp.call is not call:  # none, or cancelled
             return []
-        name, arguments = parse_tool_call(call.text)
-        call_id = f"call_{call.item_id}"
-        common = {"response_id": self.response_id, "output_index": 0, "item_id": call.item_id}
-        return [
-            {
-                "type": str(ServerEvent.FUNCTION_ARGUMENTS_DONE),
-                **common,
-                "call_id": call_id,
-                "name": name,
-                "arguments": arguments,
-            },
-            {
-                "type": str(ServerEvent.OUTPUT_ITEM_DONE),
-                "response_id": self.response_id,
-                "output_index": 0,
-                "item": {
-                    "id": call.item_id,
-                    "object": "realtime.item",
-                    "type": "function_call",
-                    "status": status,
-                    "call_id": call_id,
-                    "name": name,
-                    "arguments": arguments,
-                },
-            },
-        ]
+        events = self._finish_call(resp, status)
+        if resp.message is None:
+            events += self._close_response()
+        return events
 
     def _user_frame(self, ids: Sequence[int], frame: int, ext: bool) -> list[dict]:
         """The caller's words (RNNT): a turn opens at its first token, ends after a gap."""
@@ -736,31 +1392,62 @@ class CallEvents:
         return events
 
     def _close_user(self, frame: int) -> list[dict]:
+        """The caller's turn ends: speech stopped, the turn committed as a user item, and its
+        transcript."""
         turn, self._user = self._user, None
         if turn is None:
             return []
+        end_ms = (frame - turn.quiet + 1) * FRAME_MS
+        item = {
+            "id": turn.item_id,
+            "object": "realtime.item",
+            "type": "message",
+            "role": "user",
+            "status": "completed",
+            "content": [{"type": "input_audio", "transcript": turn.text}],
+        }
+        added = self._item_added(item)
         return [
             {
                 "type": str(ServerEvent.SPEECH_STOPPED),
-                "audio_end_ms": (frame - turn.quiet + 1) * FRAME_MS,
-                "item_id": turn.item_id,
+                "audio_end_ms": end_ms,
+                "item_id": item["id"],
             },
             {
+                "type": str(ServerEvent.INPUT_COMMITTED),
+                "previous_item_id": added[0]["previous_item_id"],
+                "item_id": item["id"],
+            },
+            *added,
+            *self._item_done(item),
+            {
                 "type": str(ServerEvent.TRANSCRIPTION_COMPLETED),
-                "item_id": turn.item_id,
+                "item_id": item["id"],
                 "content_index": 0,
                 "transcript": turn.text,
+                "usage": {
+                    "type": "duration",
+                    "seconds": (end_ms - turn.start_frame * FRAME_MS) / 1e3,
+                },
             },
         ]
 
     # ---- the end -----------------------------------------------------------------------------
 
     def end(self, end: StreamEnd, frame: int, cfg: SessionConfig) -> tuple[list[dict], CloseCode]:
-        """The events that end the session (open turns closed first) and the close code."""
+        """The events that end the session (the caller's open turn and the active response
+        closed first) and the close code."""
         reason, close, code = _END_BY_REASON.get(
             end.reason, (EndReason.FAILED, CloseCode.INTERNAL_ERROR, ErrorCode.SESSION_FAILED)
         )
-        events = self._close_user(frame) + self._close_call("incomplete") + self._close_agent()
+        events = self._close_user(frame)
+        if self._response is not None:
+            if reason is EndReason.CLIENT_CLOSED:
+                events += self._cut("cancelled", "client_cancelled")
+            elif reason is EndReason.FAILED:
+                events += self._cut("failed", None, {"type": "server_error", "code": str(code)})
+            else:
+                events += self._cut("incomplete", None)
         message = _end_message(reason, end.detail)
         if code is not None:
             events.append(
@@ -783,21 +1470,6 @@ class CallEvents:
                     "frames": frame,
                 }
             )
-        status = "completed" if reason is EndReason.CLIENT_CLOSED else "incomplete"
-        if reason is EndReason.FAILED:
-            status = "failed"
-        events.append(
-            {
-                "type": str(ServerEvent.RESPONSE_DONE),
-                "response": {
-                    "id": self.response_id,
-                    "object": "realtime.response",
-                    "status": status,
-                    "status_details": {"type": status, "reason": str(reason)},
-                    "output": [],
-                },
-            }
-        )
         return [self.stamp(e) for e in events], close
 
 

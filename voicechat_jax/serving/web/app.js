@@ -1,18 +1,24 @@
-// The browser page: one live call over /v1/realtime (docs/protocol.md).
+// The browser page: live calls over /v1/realtime (docs/protocol.md), one after another.
 //
 // The microphone goes through the "capture" AudioWorklet in 80 ms frames of PCM16 at 24 kHz; the
 // agent's audio through the "playback" worklet, a 100 ms jitter buffer. The page shows the
 // caller's transcript, the agent's text, the beat latency (voicechat.beat events) and the audio
-// stats. window.voicechat holds the same figures for tests.
+// stats. window.voicechat holds the same figures (of the current or last call) for tests.
+//
+// The page offers the "realtime" subprotocol and, when the key field is filled, the key as the
+// subprotocol "openai-insecure-api-key.KEY" (a browser cannot set an Authorization header).
 
 (() => {
   const RATE = 24000;
   const FRAME_SAMPLES = (RATE * 80) / 1000;
   const PREBUFFER_MS = 100;
+  // The stream's audio: a response's, and between responses (the extensions on) the rest.
+  const AUDIO_EVENTS = new Set(["response.output_audio.delta", "voicechat.output_audio.delta"]);
   const $ = (id) => document.getElementById(id);
 
   const stats = {
     state: "idle",
+    calls: 0,
     sessionId: null,
     endReason: null,
     deltas: 0,
@@ -29,6 +35,13 @@
     bufferedMs: 0,
     callerText: "",
     agentText: "",
+    reset() {
+      Object.assign(this, {
+        sessionId: null, endReason: null, deltas: 0, audioSamples: 0, arrivals: [], beats: 0,
+        latencyLastMs: null, latencyMaxMs: null, missed: 0, sent: 0, events: {}, errors: [],
+        underruns: 0, bufferedMs: 0, callerText: "", agentText: "",
+      });
+    },
     intervals() {
       const a = this.arrivals;
       const out = [];
@@ -41,6 +54,7 @@
       const dev = iv.map((x) => Math.abs(x - 80)).sort((x, y) => x - y);
       return {
         state: this.state,
+        calls: this.calls,
         sessionId: this.sessionId,
         endReason: this.endReason,
         deltas: this.deltas,
@@ -117,8 +131,16 @@
     $("buffered").textContent = s.bufferedMs.toFixed(0);
     $("underruns").textContent = s.underruns;
     $("sent").textContent = s.sent;
-    $("caller").textContent = s.callerText;
-    $("agent").textContent = s.agentText;
+    show($("caller"), s.callerText);
+    show($("agent"), s.agentText);
+  }
+
+  function show(box, text) {
+    // Follows the newest words, unless the reader has scrolled up to read older ones.
+    if (box.textContent === text) return;
+    const atEnd = box.scrollTop + box.clientHeight >= box.scrollHeight - 24;
+    box.textContent = text;
+    if (atEnd) box.scrollTop = box.scrollHeight;
   }
 
   function onEvent(event) {
@@ -131,7 +153,8 @@
         setStatus(`connected: ${event.session.id} (slot ${event.session.voicechat.slot})`);
         log(`${type} ${event.session.id}`);
         break;
-      case "response.audio.delta": {
+      case "response.output_audio.delta":
+      case "voicechat.output_audio.delta": {
         const audio = fromBase64(event.delta);
         stats.deltas++;
         stats.audioSamples += audio.length;
@@ -146,7 +169,7 @@
         stats.latencyMaxMs = Math.max(stats.latencyMaxMs || 0, event.latency_ms);
         if (event.missed) stats.missed++;
         break;
-      case "response.audio_transcript.delta":
+      case "response.output_audio_transcript.delta":
         stats.agentText = (stats.agentText + words(event)).slice(-4000);
         break;
       case "conversation.item.input_audio_transcription.delta":
@@ -156,9 +179,9 @@
         stats.callerText += "\n";
         log(type);
         break;
-      case "response.output_item.done":
+      case "response.done":
         stats.agentText += "\n";
-        log(type);
+        log(`${type} ${event.response.status}`);
         break;
       case "error":
         stats.errors.push(event.error.code);
@@ -175,6 +198,8 @@
 
   async function start() {
     $("start").disabled = true;
+    stats.reset();
+    stats.calls++;
     stats.state = "connecting";
     setStatus("connecting");
     ctx = new AudioContext({ sampleRate: RATE });
@@ -196,13 +221,17 @@
     };
     playback.connect(ctx.destination);
     const scheme = location.protocol === "https:" ? "wss" : "ws";
-    ws = new WebSocket(`${scheme}://${location.host}/v1/realtime?voicechat=1`);
+    const key = $("key").value.trim();
+    const protocols = key ? ["realtime", `openai-insecure-api-key.${key}`] : ["realtime"];
+    ws = new WebSocket(`${scheme}://${location.host}/v1/realtime?voicechat=1`, protocols);
     ws.onmessage = (m) => onEvent(JSON.parse(m.data));
     ws.onclose = (e) => {
+      const opened = stats.state !== "connecting";
       stats.state = "closed";
-      setStatus(`ended (${stats.endReason || "closed"}, code ${e.code})`);
-      $("stop").disabled = true;
+      const why = opened ? stats.endReason || e.reason || "closed" : "could not connect";
+      setStatus(`ended (${why}, code ${e.code})`);
       capture.port.onmessage = null;
+      hangUp();
     };
     ws.onopen = () => {
       const rate = ctx.sampleRate;
@@ -230,10 +259,24 @@
     if (media) media.getTracks().forEach((t) => t.stop());
   }
 
+  function hangUp() {
+    // The call's audio and microphone let go, so that the next call starts afresh.
+    if (media) media.getTracks().forEach((t) => t.stop());
+    if (ctx) ctx.close().catch(() => {});
+    media = null;
+    ctx = null;
+    playback = null;
+    ws = null;
+    $("stop").disabled = true;
+    $("start").disabled = false;
+    $("start").textContent = "Start another call";
+  }
+
   $("start").onclick = () => start().catch((e) => {
     stats.state = "error";
     stats.errors.push(String(e));
     setStatus(`error: ${e}`);
+    hangUp();
   });
   $("stop").onclick = stop;
   setInterval(render, 250);
