@@ -31,8 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import websockets
-from absl import app
-from absl import flags as absl_flags
 
 from voicechat_jax import checkpoint as ckpt
 from voicechat_jax import convert as conv
@@ -45,7 +43,7 @@ from voicechat_jax.serving import outdir, runner
 from voicechat_jax.serving.net import protocol as p
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS = absl_flags.FLAGS
+FLAGS = serve_cli.FLAGS
 CFG = tiny()
 PREC = Precision.fp32()
 HEADER_TIMEOUT_S = 1.0
@@ -192,8 +190,6 @@ def test_system_prompt_ids_past_the_vocabulary_are_refused(cli, capsys):
 
 
 def test_help_exits_0_and_lists_every_flag(cli, capsys, monkeypatch):
-    app.define_help_flags()
-    serve_cli.register_help("voicechat-serve")
     monkeypatch.setattr(sys, "argv", ["voicechat-serve", "--help"])
     with pytest.raises(SystemExit) as e:
         serve_cli._parse_flags(sys.argv)

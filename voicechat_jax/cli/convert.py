@@ -40,29 +40,55 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "voicechat-convert
 from absl import app, flags, logging  # noqa: E402
 
 from voicechat_jax import checkpoint as ckpt  # noqa: E402
+from voicechat_jax.cli import flag_parsing  # noqa: E402
 from voicechat_jax.convert import SHARD_BYTES, ConversionError, Interrupted, convert  # noqa: E402
 from voicechat_jax.precision import Precision  # noqa: E402
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("src", None, "The release directory: config.json + model.safetensors.")
-flags.DEFINE_string("dst", None, "Where the checkpoint goes (must not exist).")
-flags.DEFINE_string("tokenizer", None, "The text tokenizer's tokenizer.json (or its folder).")
-flags.DEFINE_string("llm_config", None, "The LLM's config.json (default: built-in Nano 9B v2).")
-flags.DEFINE_string("revision", None, "The release revision, recorded in the manifest.")
-flags.DEFINE_enum("precision", "reference", ["reference", "fp32"], "Dtype policy written.")
-flags.DEFINE_bool("text_table", True, "Precompute the text table (needs --tokenizer).")
-flags.DEFINE_bool("dry_run", False, "Print the mapping and what would be written; read headers.")
-flags.DEFINE_integer(
-    "shard_bytes", SHARD_BYTES, "Host memory per written shard (bytes).", lower_bound=1
+FLAGS = flags.FlagValues()  # this app's own flags (cli.flag_parsing)
+flags.DEFINE_string(
+    "src", None, "The release directory: config.json + model.safetensors.", flag_values=FLAGS
+)
+flags.DEFINE_string("dst", None, "Where the checkpoint goes (must not exist).", flag_values=FLAGS)
+flags.DEFINE_string(
+    "tokenizer", None, "The text tokenizer's tokenizer.json (or its folder).", flag_values=FLAGS
 )
 flags.DEFINE_string(
-    "check", None, "Verify this converted checkpoint instead of converting (no --src/--dst)."
+    "llm_config", None, "The LLM's config.json (default: built-in Nano 9B v2).", flag_values=FLAGS
+)
+flags.DEFINE_string(
+    "revision", None, "The release revision, recorded in the manifest.", flag_values=FLAGS
+)
+flags.DEFINE_enum(
+    "precision", "reference", ["reference", "fp32"], "Dtype policy written.", flag_values=FLAGS
+)
+flags.DEFINE_bool(
+    "text_table", True, "Precompute the text table (needs --tokenizer).", flag_values=FLAGS
+)
+flags.DEFINE_bool(
+    "dry_run",
+    False,
+    "Print the mapping and what would be written; read headers.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_integer(
+    "shard_bytes",
+    SHARD_BYTES,
+    "Host memory per written shard (bytes).",
+    lower_bound=1,
+    flag_values=FLAGS,
+)
+flags.DEFINE_string(
+    "check",
+    None,
+    "Verify this converted checkpoint instead of converting (no --src/--dst).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_enum(
     "verify",
     "full",
     [v.value for v in ckpt.Verify],
     "With --check: full (sizes and sha256 of every file) or sizes (stat only).",
+    flag_values=FLAGS,
 )
 
 
@@ -72,10 +98,13 @@ flags.DEFINE_string(
     "With --check: the sha256 the checkpoint's integrity.json must have (printed when it was "
     "written), pinning every file it lists (integrity.json alone guards against damage, not "
     "tampering).",
+    flag_values=FLAGS,
 )
 
 
-@flags.multi_flags_validator(["src", "dst", "dry_run", "check", "manifest_sha256"])
+@flags.multi_flags_validator(
+    ["src", "dst", "dry_run", "check", "manifest_sha256"], flag_values=FLAGS
+)
 def _flags_agree(values: dict) -> bool:
     if values["manifest_sha256"] and not values["check"]:
         raise flags.ValidationError("--manifest_sha256 goes with --check")
@@ -246,7 +275,7 @@ _FLAGS_HINT = "(--helpshort lists the flags)"
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, each error as one line (absl's own prints two)."""
     try:
-        return FLAGS(argv)
+        return flag_parsing.parse(FLAGS, argv, __doc__)
     except flags.Error as e:
         _fail(f"{e} {_FLAGS_HINT}", 2)
 

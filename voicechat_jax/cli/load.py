@@ -25,22 +25,42 @@ import urllib.request
 
 from absl import app, flags, logging
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("url", "http://127.0.0.1:8765", "The server's base URL (or its ws:// URL).")
-flags.DEFINE_integer("clients", 8, "Concurrent calls.")
-flags.DEFINE_float("seconds", 20.0, "Length of each call.")
-flags.DEFINE_string("input_wav", None, "16 kHz mono WAV to send (default: the bundled speech).")
-flags.DEFINE_enum("rate", "24000", ["16000", "24000"], "PCM16 sample rate in and out.")
-flags.DEFINE_float("buffer_ms", 100.0, "The simulated playback buffer (jitter buffer).")
-flags.DEFINE_bool("probe_refusal", True, "Once all are in, connect one more (expect a refusal).")
-flags.DEFINE_float("stagger_ms", 0.0, "Delay between the clients' starts.")
-flags.DEFINE_string("rows", None, "Write one JSON row per client and a summary row here.")
+from voicechat_jax.cli import flag_parsing
 
-flags.register_validator("clients", lambda v: v >= 1, "must be >= 1")
-flags.register_validator("seconds", lambda v: v > 0, "must be > 0")
-flags.register_validator("buffer_ms", lambda v: v > 0, "must be > 0")
+FLAGS = flags.FlagValues()  # this app's own flags (cli.flag_parsing)
+flags.DEFINE_string(
+    "url", "http://127.0.0.1:8765", "The server's base URL (or its ws:// URL).", flag_values=FLAGS
+)
+flags.DEFINE_integer("clients", 8, "Concurrent calls.", flag_values=FLAGS)
+flags.DEFINE_float("seconds", 20.0, "Length of each call.", flag_values=FLAGS)
+flags.DEFINE_string(
+    "input_wav", None, "16 kHz mono WAV to send (default: the bundled speech).", flag_values=FLAGS
+)
+flags.DEFINE_enum(
+    "rate", "24000", ["16000", "24000"], "PCM16 sample rate in and out.", flag_values=FLAGS
+)
 flags.DEFINE_float(
-    "connect_timeout_s", 5.0, "A server that does not answer /healthz this soon is not there."
+    "buffer_ms", 100.0, "The simulated playback buffer (jitter buffer).", flag_values=FLAGS
+)
+flags.DEFINE_bool(
+    "probe_refusal",
+    True,
+    "Once all are in, connect one more (expect a refusal).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_float("stagger_ms", 0.0, "Delay between the clients' starts.", flag_values=FLAGS)
+flags.DEFINE_string(
+    "rows", None, "Write one JSON row per client and a summary row here.", flag_values=FLAGS
+)
+
+flags.register_validator("clients", lambda v: v >= 1, "must be >= 1", flag_values=FLAGS)
+flags.register_validator("seconds", lambda v: v > 0, "must be > 0", flag_values=FLAGS)
+flags.register_validator("buffer_ms", lambda v: v > 0, "must be > 0", flag_values=FLAGS)
+flags.DEFINE_float(
+    "connect_timeout_s",
+    5.0,
+    "A server that does not answer /healthz this soon is not there.",
+    flag_values=FLAGS,
 )
 
 
@@ -61,6 +81,14 @@ def _reachable(url: str, timeout_s: float) -> None:
     except (OSError, ValueError) as e:
         why = getattr(e, "reason", None) or e
         _fail(f"cannot reach a server at {base} ({why}); is voicechat-serve --listen running?")
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return flag_parsing.parse(FLAGS, argv, __doc__)
+    except flags.Error as e:
+        _fail(str(e).replace("\n", " "), 2)
+        raise  # not reached
 
 
 def main(argv: list[str]) -> None:
@@ -118,9 +146,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
     """Console-script entry point."""
-    for flag in FLAGS.get_key_flags_for_module(__name__):
-        FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from absl import app, flags, logging
 
 from voicechat_jax import config as config_lib
 from voicechat_jax import precision as precision_lib
+from voicechat_jax.cli import flag_parsing
 from voicechat_jax.serving import outdir, runner
 
 EXIT_OK = 0
@@ -66,24 +67,34 @@ EXIT_USAGE = 2
 EXIT_SESSIONS_FAILED = 3
 DEFAULT_RUNS = "runs/serve"  # each run without --output_dir gets a folder of its own here
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "A converted checkpoint directory (voicechat-convert).")
+FLAGS = flags.FlagValues()  # this app's own flags (cli.flag_parsing)
+flags.DEFINE_string(
+    "checkpoint", None, "A converted checkpoint directory (voicechat-convert).", flag_values=FLAGS
+)
 flags.DEFINE_string(
     "manifest_sha256",
     None,
     "With --checkpoint: the sha256 its integrity.json must have (printed by voicechat-convert), "
     "pinning every file it lists: integrity.json alone guards against damage, not tampering.",
+    flag_values=FLAGS,
 )
-flags.DEFINE_string("model", "tiny", "Preset used without --checkpoint (random weights).")
-flags.DEFINE_integer("slots", 4, "Slots the state is sized for (capacity).")
-flags.DEFINE_integer("sessions", 4, "Scripted sessions to run (over --slots are refused).")
+flags.DEFINE_string(
+    "model", "tiny", "Preset used without --checkpoint (random weights).", flag_values=FLAGS
+)
+flags.DEFINE_integer("slots", 4, "Slots the state is sized for (capacity).", flag_values=FLAGS)
+flags.DEFINE_integer(
+    "sessions", 4, "Scripted sessions to run (over --slots are refused).", flag_values=FLAGS
+)
 flags.DEFINE_float(
     "seconds",
     10.0,
     "Length of the run, finite (with --listen, leave it out to serve until stopped).",
+    flag_values=FLAGS,
 )
-flags.DEFINE_integer("frames_per_tick", 2, "Model frames per beat (2 = 160 ms).")
-flags.DEFINE_integer("context_frames", 1500, "Per-session context cap in frames (1500 = 120 s).")
+flags.DEFINE_integer("frames_per_tick", 2, "Model frames per beat (2 = 160 ms).", flag_values=FLAGS)
+flags.DEFINE_integer(
+    "context_frames", 1500, "Per-session context cap in frames (1500 = 120 s).", flag_values=FLAGS
+)
 flags.DEFINE_enum(
     "at_cap",
     "end",
@@ -92,6 +103,7 @@ flags.DEFINE_enum(
     "between a soft and a hard threshold (1125/1375 frames, scaled to a smaller cap), at a pause "
     "or at the hard one, to the system prompt alone (reset) or plus a capsule of the recent turns "
     "(memory); rollover: only at the cap, to the system prompt alone (the device's fallback).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_integer(
     "rollovers_per_beat",
@@ -99,26 +111,37 @@ flags.DEFINE_integer(
     "reset/memory: sessions rolled over in one beat at most (each costs the beat a prefill of the "
     "capsule room; sessions due together are spread between the thresholds).",
     lower_bound=1,
+    flag_values=FLAGS,
 )
 flags.DEFINE_list(
-    "system_prompt", [], "System prompt as LLM token ids, comma-separated (prefilled once)."
+    "system_prompt",
+    [],
+    "System prompt as LLM token ids, comma-separated (prefilled once).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_float(
-    "deadline_ms", None, "Beat deadline in ms after the beat's start (default: the beat period)."
+    "deadline_ms",
+    None,
+    "Beat deadline in ms after the beat's start (default: the beat period).",
+    flag_values=FLAGS,
 )
-flags.DEFINE_multi_string("input_wav", None, "16 kHz mono WAV(s); sessions take them in turn.")
+flags.DEFINE_multi_string(
+    "input_wav", None, "16 kHz mono WAV(s); sessions take them in turn.", flag_values=FLAGS
+)
 flags.DEFINE_string(
     "output_dir",
     None,
     f"Where per-session outputs and metrics go (default: a new {DEFAULT_RUNS}/<YYYYmmdd-HHMMSS>/ "
     f"for each run, {DEFAULT_RUNS}/latest linked to it). A directory another run is using is "
     "refused, and one that holds a finished run unless --overwrite.",
+    flag_values=FLAGS,
 )
 flags.DEFINE_bool(
     "overwrite",
     False,
     "Write into an --output_dir that holds a finished run (its files are replaced as the new "
     "run writes them).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_string(
     "compilation_cache_dir",
@@ -126,19 +149,22 @@ flags.DEFINE_string(
     "JAX's persistent compilation cache, so that a second start skips the compiles (default: "
     "$JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/voicechat_jax/xla, under $XDG_CACHE_HOME "
     "if set; '' turns it off).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_enum(
     "loop",
     "dispatch",
     ["resident", "dispatch"],
     "How the tick is driven (dispatch had the lighter tail on an H200: experiments/beat_latency).",
+    flag_values=FLAGS,
 )
-flags.DEFINE_enum("clock", "realtime", ["realtime", "offline"], "Beat clock.")
+flags.DEFINE_enum("clock", "realtime", ["realtime", "offline"], "Beat clock.", flag_values=FLAGS)
 flags.DEFINE_integer(
     "devices",
     1,
     "Local devices to split the slots over (a data mesh: each device steps slots / devices of "
     "them; the dispatch loop only).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_integer(
     "model_parallel",
@@ -146,40 +172,57 @@ flags.DEFINE_integer(
     "Devices per model group (with --devices): the LLM's weights and state split over each "
     "group's devices (tensor parallelism); the slots split over the --devices / "
     "--model_parallel groups.",
+    flag_values=FLAGS,
 )
 flags.DEFINE_enum(
-    "speech_sampling", "faithful", ["faithful", "deterministic"], "Speech decoder sampler."
+    "speech_sampling",
+    "faithful",
+    ["faithful", "deterministic"],
+    "Speech decoder sampler.",
+    flag_values=FLAGS,
 )
-flags.DEFINE_bool("churn", False, "Sessions join and leave at random times.")
-flags.DEFINE_integer("seed", 0, "Seed for random weights, churn and sampling keys.")
+flags.DEFINE_bool("churn", False, "Sessions join and leave at random times.", flag_values=FLAGS)
+flags.DEFINE_integer(
+    "seed", 0, "Seed for random weights, churn and sampling keys.", flag_values=FLAGS
+)
 flags.DEFINE_enum(
-    "precision", "reference", list(precision_lib.POLICIES), "Precision policy (dtypes, matmuls)."
+    "precision",
+    "reference",
+    list(precision_lib.POLICIES),
+    "Precision policy (dtypes, matmuls).",
+    flag_values=FLAGS,
 )
-flags.DEFINE_integer("warmup_ticks", 3, "Ticks reported as warm-up, apart from steady state.")
+flags.DEFINE_integer(
+    "warmup_ticks", 3, "Ticks reported as warm-up, apart from steady state.", flag_values=FLAGS
+)
 flags.DEFINE_enum(
     "ssm_kernel",
     "auto",
     [m.value for m in config_lib.SSMKernel],
     "Mamba-2 decode update (auto: the measured best for the device and slots, config.AUTO_KERNELS; "
     "pallas: the SSM update in place; fused: conv, SSM and norm in one).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_enum(
     "projection",
     "xla",
     [m.value for m in config_lib.ProjectionImpl],
     "LLM MLP and Mamba projections (pallas: the weight-streaming kernel).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_enum(
     "attention",
     "auto",
     [m.value for m in config_lib.AttentionImpl],
     "LLM decode attention (auto: the measured best for the device and slots).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_enum(
     "tts_attention",
     None,
     [m.value for m in config_lib.AttentionImpl],
     "Speech decoder attention (default: as --attention).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_enum(
     "gc_policy",
@@ -187,6 +230,7 @@ flags.DEFINE_enum(
     ["slack", "default"],
     "Garbage collection: only in a beat's slack after a frozen start-up heap (slack), or "
     "Python's automatic collector (default; for comparison).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_enum(
     "scheduler",
@@ -195,69 +239,90 @@ flags.DEFINE_enum(
     "Batching policy: lockstep (every slot every beat, one compiled tick) or buckets (ticks "
     "compiled for a few slot counts, live sessions compacted into the smallest that holds them: "
     "less device time at partial load; experiments/slot_buckets). Buckets need --loop=dispatch.",
+    flag_values=FLAGS,
 )
 flags.DEFINE_list(
     "buckets",
     [],
     "Slot counts of --scheduler=buckets, ending at --slots (default: powers of two "
     "from slots/8, and slots).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_integer(
     "shrink_after",
     25,
     "--scheduler=buckets: beats the live count must fit a smaller bucket "
     "before sessions are moved into it.",
+    flag_values=FLAGS,
 )
 flags.DEFINE_integer(
     "max_live",
     None,
     "Admission threshold: sessions live at once at most (default: every slot); one that finds "
     "them full waits up to --admission_queue_s, then is refused (experiments/admission_overload).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_float(
     "admission_queue_s",
     0.0,
     "Seconds a session that finds the server full (--max_live or every slot) waits for a slot, "
     "first come first served, before it is refused (0: refused at once).",
+    flag_values=FLAGS,
 )
 flags.DEFINE_float(
-    "drain_timeout_s", 10.0, "After SIGTERM/SIGINT, exit 1 if draining takes longer than this."
+    "drain_timeout_s",
+    10.0,
+    "After SIGTERM/SIGINT, exit 1 if draining takes longer than this.",
+    flag_values=FLAGS,
 )
 flags.DEFINE_string(
-    "listen", None, "HOST:PORT: serve live calls over the network (WebSocket, HTTP) until stopped."
+    "listen",
+    None,
+    "HOST:PORT: serve live calls over the network (WebSocket, HTTP) until stopped.",
+    flag_values=FLAGS,
 )
-flags.DEFINE_float("idle_timeout_s", 10.0, "With --listen: a call with no audio this long ends.")
-flags.DEFINE_bool("record_calls", False, "With --listen: write each call's files to --output_dir.")
+flags.DEFINE_float(
+    "idle_timeout_s", 10.0, "With --listen: a call with no audio this long ends.", flag_values=FLAGS
+)
+flags.DEFINE_bool(
+    "record_calls",
+    False,
+    "With --listen: write each call's files to --output_dir.",
+    flag_values=FLAGS,
+)
 flags.DEFINE_string(
     "api_key_file",
     None,
     "With --listen: calls and /capacity need the key in this file (Authorization: Bearer KEY); "
     "default $VOICECHAT_API_KEY, else no key.",
+    flag_values=FLAGS,
 )
 flags.DEFINE_list(
     "allowed_origins",
     [],
     "With --listen: the browser origins (scheme://host[:port]) besides the server's own that may "
     "open calls; others are refused. Empty: any.",
+    flag_values=FLAGS,
 )
 
-flags.register_validator("slots", lambda v: v >= 1, "must be >= 1")
-flags.register_validator("devices", lambda v: v >= 1, "must be >= 1")
-flags.register_validator("model_parallel", lambda v: v >= 1, "must be >= 1")
-flags.register_validator("sessions", lambda v: v >= 1, "must be >= 1")
+flags.register_validator("slots", lambda v: v >= 1, "must be >= 1", flag_values=FLAGS)
+flags.register_validator("devices", lambda v: v >= 1, "must be >= 1", flag_values=FLAGS)
+flags.register_validator("model_parallel", lambda v: v >= 1, "must be >= 1", flag_values=FLAGS)
+flags.register_validator("sessions", lambda v: v >= 1, "must be >= 1", flag_values=FLAGS)
 flags.register_validator(
     "seconds",
     lambda v: 0 < v < math.inf,
     "must be > 0 and finite (with --listen, leave it out to serve until stopped)",
+    flag_values=FLAGS,
 )
-flags.register_validator("frames_per_tick", lambda v: v >= 1, "must be >= 1")
-flags.register_validator("warmup_ticks", lambda v: v >= 0, "must be >= 0")
-flags.register_validator("drain_timeout_s", lambda v: v > 0, "must be > 0")
-flags.register_validator("idle_timeout_s", lambda v: v > 0, "must be > 0")
-flags.register_validator("admission_queue_s", lambda v: v >= 0, "must be >= 0")
+flags.register_validator("frames_per_tick", lambda v: v >= 1, "must be >= 1", flag_values=FLAGS)
+flags.register_validator("warmup_ticks", lambda v: v >= 0, "must be >= 0", flag_values=FLAGS)
+flags.register_validator("drain_timeout_s", lambda v: v > 0, "must be > 0", flag_values=FLAGS)
+flags.register_validator("idle_timeout_s", lambda v: v > 0, "must be > 0", flag_values=FLAGS)
+flags.register_validator("admission_queue_s", lambda v: v >= 0, "must be >= 0", flag_values=FLAGS)
 
 
-@flags.validator("api_key_file", "must be a readable file that holds the key")
+@flags.validator("api_key_file", "must be a readable file that holds the key", flag_values=FLAGS)
 def _check_api_key_file(path: str | None) -> bool:
     try:
         return path is None or bool(open(path, encoding="utf-8").read().strip())
@@ -265,18 +330,21 @@ def _check_api_key_file(path: str | None) -> bool:
         return False
 
 
-@flags.validator("listen", "expected HOST:PORT with a port in [0, 65535]")
+@flags.validator("listen", "expected HOST:PORT with a port in [0, 65535]", flag_values=FLAGS)
 def _check_listen(value: str | None) -> bool:
     host, sep, port = (value or "h:0").rpartition(":")
     return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
 
 
 flags.register_validator(
-    "model", lambda v: v in config_lib.PRESETS, f"must be a preset: {sorted(config_lib.PRESETS)}"
+    "model",
+    lambda v: v in config_lib.PRESETS,
+    f"must be a preset: {sorted(config_lib.PRESETS)}",
+    flag_values=FLAGS,
 )
 
 
-@flags.multi_flags_validator(["context_frames", "frames_per_tick"])
+@flags.multi_flags_validator(["context_frames", "frames_per_tick"], flag_values=FLAGS)
 def _check_context(values: dict) -> bool:
     cap, fpt = values["context_frames"], values["frames_per_tick"]
     if fpt >= 1 and cap < fpt:
@@ -284,7 +352,7 @@ def _check_context(values: dict) -> bool:
     return True
 
 
-@flags.multi_flags_validator(["deadline_ms", "frames_per_tick"])
+@flags.multi_flags_validator(["deadline_ms", "frames_per_tick"], flag_values=FLAGS)
 def _check_deadline(values: dict) -> bool:
     deadline, fpt = values["deadline_ms"], values["frames_per_tick"]
     beat_ms = 80.0 * fpt
@@ -293,7 +361,7 @@ def _check_deadline(values: dict) -> bool:
     return True
 
 
-@flags.multi_flags_validator(["devices", "slots", "loop", "model_parallel"])
+@flags.multi_flags_validator(["devices", "slots", "loop", "model_parallel"], flag_values=FLAGS)
 def _check_devices(values: dict) -> bool:
     n, slots, loop, m = values["devices"], values["slots"], values["loop"], values["model_parallel"]
     if n > 1 and loop == "resident":
@@ -312,7 +380,9 @@ def _check_devices(values: dict) -> bool:
     return True
 
 
-@flags.multi_flags_validator(["scheduler", "buckets", "slots", "loop", "shrink_after", "devices"])
+@flags.multi_flags_validator(
+    ["scheduler", "buckets", "slots", "loop", "shrink_after", "devices"], flag_values=FLAGS
+)
 def _check_buckets(values: dict) -> bool:
     if values["scheduler"] != "buckets":
         if values["buckets"]:
@@ -332,7 +402,7 @@ def _check_buckets(values: dict) -> bool:
     return True
 
 
-@flags.multi_flags_validator(["max_live", "slots"])
+@flags.multi_flags_validator(["max_live", "slots"], flag_values=FLAGS)
 def _check_max_live(values: dict) -> bool:
     limit, slots = values["max_live"], values["slots"]
     if limit is not None and slots >= 1 and not 1 <= limit <= slots:
@@ -340,7 +410,7 @@ def _check_max_live(values: dict) -> bool:
     return True
 
 
-@flags.multi_flags_validator(["manifest_sha256", "checkpoint"])
+@flags.multi_flags_validator(["manifest_sha256", "checkpoint"], flag_values=FLAGS)
 def _check_manifest(values: dict) -> bool:
     digest = values["manifest_sha256"]
     if digest is None:
@@ -352,12 +422,14 @@ def _check_manifest(values: dict) -> bool:
     return True
 
 
-@flags.validator("system_prompt", "token ids must be non-negative integers, comma-separated")
+@flags.validator(
+    "system_prompt", "token ids must be non-negative integers, comma-separated", flag_values=FLAGS
+)
 def _check_prompt(ids: list[str]) -> bool:
     return all(x.strip().isdigit() for x in ids)
 
 
-@flags.validator("output_dir")
+@flags.validator("output_dir", flag_values=FLAGS)
 def _check_output_dir(path: str | None) -> bool:
     """The directory (or, by default, the folder of runs) exists or can be made, and a file can
     be written in it."""
@@ -387,13 +459,10 @@ def _fail(message: str, code: int, *, now: bool = False) -> None:
 
 def _parse_flags(argv: list[str]) -> list[str]:
     try:
-        return FLAGS(argv)
+        return flag_parsing.parse(FLAGS, argv, __doc__)
     except flags.Error as e:
         _fail(str(e).replace("\n", " "), EXIT_USAGE)
         raise  # not reached
-    except SystemExit:  # absl's --help, --helpfull, ...: printed, then sys.exit(1)
-        sys.stdout.flush()
-        sys.exit(EXIT_OK)
 
 
 class _Signals:
@@ -405,6 +474,9 @@ class _Signals:
     The work is done by a watcher thread woken through ``signal.set_wakeup_fd``, not in the Python
     handler: during the resident loop the main thread sits in one long XLA call, and a Python
     handler would not run before it returns.
+
+    ``close`` puts back the handlers and the wakeup fd it found (``main`` called in a process
+    that goes on, such as a test's) and stops the watcher.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -414,14 +486,22 @@ class _Signals:
         self.drain_timeout_s = drain_timeout_s
         self.first_at: float | None = None  # time.monotonic() of the first signal
         self._timer: threading.Timer | None = None
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._saved_wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        self._saved = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
         for sig in self.SIGNALS:
-            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+            if sig == signal.SIGHUP and self._saved[sig] == signal.SIG_IGN:
                 continue  # nohup: the user asked for the server to outlive the terminal
             signal.signal(sig, self._handler)
         threading.Thread(target=self._watch, args=(read_fd,), name="signals", daemon=True).start()
+
+    def close(self) -> None:
+        """The handlers and wakeup fd as they were; the watcher thread ends."""
+        signal.set_wakeup_fd(self._saved_wakeup)
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        os.close(self._write_fd)  # the watcher reads end-of-file and returns
 
     @staticmethod
     def _handler(signum, frame) -> None:
@@ -431,6 +511,9 @@ class _Signals:
         received = 0
         while True:
             data = os.read(read_fd, 64)
+            if not data:  # closed
+                os.close(read_fd)
+                return
             for signum in data:
                 if signum not in self.SIGNALS:
                     continue
@@ -554,7 +637,9 @@ def _preflight(options: runner.RunOptions) -> None:
         _fail(f"--system_prompt: {e}", EXIT_USAGE)
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
+    """The app on parsed flags; returns the exit status (``run`` exits with it). A bad flag or a
+    run that cannot start exits here (``SystemExit``) with its one line on stderr."""
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]} (flags are --name=value)", EXIT_USAGE)
     from voicechat_jax.checkpoint import CheckpointError  # orbax: imported once flags are good
@@ -599,7 +684,9 @@ def main(argv: list[str]) -> None:
         _fail(str(e), EXIT_ERROR)
     except OSError as e:
         _fail(f"error: {e}", EXIT_ERROR)
-    drain_s = signals.drained()
+    finally:
+        drain_s = signals.drained()
+        signals.close()
     print(result.table)  # the CLI's report; the library itself never prints
     if result.url:
         print(f"served live calls at {result.url}")
@@ -611,6 +698,11 @@ def main(argv: list[str]) -> None:
     if result.failed:
         sys.stderr.write(f"voicechat-serve: {result.failed} session(s) failed (sessions.json)\n")
         code = EXIT_SESSIONS_FAILED
+    return code
+
+
+def _main_and_exit(argv: list[str]) -> None:
+    code = main(argv)
     # Every file is closed: exit now, without waiting for the runtime's threads to wind down.
     logging.flush()
     sys.stdout.flush()
@@ -618,18 +710,9 @@ def main(argv: list[str]) -> None:
     os._exit(code)
 
 
-def register_help(program: str) -> None:
-    """absl's --help lists the key flags of the main module, taken to be ``program``
-    (``sys.argv[0]``: the console script, which defines none): make every flag of this module
-    one of its key flags."""
-    for flag in FLAGS.get_key_flags_for_module(__name__):
-        FLAGS.register_key_flag_for_module(program, flag)
-
-
 def run() -> None:
     """Console-script entry point."""
-    register_help(sys.argv[0])
-    app.run(main, flags_parser=_parse_flags)
+    app.run(_main_and_exit, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
