@@ -19,7 +19,10 @@ Nothing here may be mutated by a test.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import io
 
 import jax
 
@@ -76,3 +79,24 @@ def engine(serve: ServeConfig, *, staged: bool | None = None) -> Engine:
     e = _engine(serve, staged)
     e.reset()
     return e
+
+
+@dataclasses.dataclass
+class Ran:
+    """What a command-line app called in this process left (as ``subprocess.run`` reports)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(module, *flags: str) -> Ran:
+    """``module``'s app (``voicechat_jax.cli.convert``, ...) with ``flags``, in this process: its
+    own flag parser, then its ``main``; a failure's ``SystemExit`` is its exit status."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = module.main(module._parse_flags([module.__name__, *flags]))
+        except SystemExit as e:
+            code = e.code
+    return Ran(0 if code is None else code, out.getvalue(), err.getvalue())

@@ -30,9 +30,11 @@ import jax
 import numpy as np
 import pytest
 
+from tests import shared
 from tests.reference import nemo_ref
 from voicechat_jax import checkpoint as ckpt
 from voicechat_jax import convert as conv
+from voicechat_jax.cli import convert as convert_cli
 from voicechat_jax.precision import Precision
 
 F32 = Precision.fp32()
@@ -332,13 +334,13 @@ def test_check_cli_prints_the_error_as_one_line(case, converted, tmp_path):
     d, _ = _damaged(converted, tmp_path, case)
     with pytest.raises(ckpt.CheckpointError) as err:
         ckpt.check(d)
-    out = _cli(f"--check={d}")
+    out = shared.run_cli(convert_cli, f"--check={d}")
     assert out.returncode == 1
     assert _error_line(out.stderr) == f"voicechat-convert: {err.value}"
 
 
 def test_check_cli_on_a_sound_checkpoint(converted):
-    out = _cli(f"--check={converted}", "--verify=sizes")
+    out = shared.run_cli(convert_cli, f"--check={converted}", "--verify=sizes")
     assert out.returncode == 0, out.stderr[-2000:]
     n = len(_listing(converted))
     assert re.fullmatch(
@@ -357,7 +359,7 @@ def test_check_cli_on_a_sound_checkpoint(converted):
     ids=["no dst", "check and dst", "shard_bytes 0"],
 )
 def test_bad_flags_are_one_line(args, says, tmp_path):
-    out = _cli(*args)
+    out = shared.run_cli(convert_cli, *args)
     assert out.returncode == 2
     line = _error_line(out.stderr)
     assert says in line

@@ -10,10 +10,7 @@ nothing recompiles; and ``voicechat-serve --at_cap=memory`` runs.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 import wave
 
 import numpy as np
@@ -21,6 +18,7 @@ import pytest
 
 from tests import shared
 from voicechat_jax import step as step_lib
+from voicechat_jax.cli import serve as serve_cli
 from voicechat_jax.config import BOS_ID, EOS_ID, PAD_ID, ServeConfig, tiny
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving.memory import (
@@ -389,11 +387,10 @@ def test_reset_rolls_over_with_an_empty_capsule():
 
 
 def test_cli_at_cap_memory_runs(tmp_path):
+    """``voicechat-serve --at_cap=memory`` (the app called in this process)."""
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "voicechat_jax.cli.serve",
+    proc = shared.run_cli(
+        serve_cli,
         "--at_cap=memory",
         "--context_frames=24",
         "--sessions=1",
@@ -401,10 +398,7 @@ def test_cli_at_cap_memory_runs(tmp_path):
         "--seconds=5",
         "--clock=offline",  # the default precision: its programs are in the tests' shared cache
         f"--output_dir={out}",
-    ]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     events = [r for r in rows if r.get("event") == "rollover"]

@@ -16,8 +16,6 @@ import math
 import os
 import re
 import struct
-import subprocess
-import sys
 import tempfile
 
 import jax
@@ -25,9 +23,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from tests import shared
 from tests.reference import nemo_ref
 from voicechat_jax import checkpoint as ckpt
 from voicechat_jax import convert as conv
+from voicechat_jax.cli import convert as convert_cli
+from voicechat_jax.cli import serve as serve_cli
 from voicechat_jax.config import voicechat_11b
 from voicechat_jax.keys import KeyRule, load_params
 from voicechat_jax.keys.table import release_table
@@ -40,12 +41,6 @@ F32 = Precision.fp32()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_FRAMES = 24  # served: 12 beats of 2 frames
 SPF = 1280
-
-
-def _run(module: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", module, *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _leaves(tree) -> dict[str, np.ndarray]:
@@ -192,7 +187,7 @@ def test_manifest_and_config(converted, release, tiny_cfg):
 def test_dry_run_lists_every_tensor_and_writes_nothing(release, tmp_path):
     dst = tmp_path / "never"
     args = [f"--src={release['dir']}", f"--llm_config={release['llm_config']}", "--dry_run"]
-    out = _run("voicechat_jax.cli.convert", *args, f"--dst={dst}")
+    out = shared.run_cli(convert_cli, *args, f"--dst={dst}")
     assert out.returncode == 0, out.stderr
     names = load_file(str(release["dir"] / "model.safetensors"))
     mapped = re.findall(r"^  (\S+) [FI]\d+\[[\d, ]*\] -> ", out.stdout, re.M)
@@ -473,8 +468,8 @@ def test_cli_exits_non_zero_with_the_message(release, tensors, tmp_path):
     bad, _ = _bad_tensors(tensors)["all zeros"]
     src = _variant(release, tmp_path, tensors=bad)
     dst = tmp_path / "out" / "ck"
-    out = _run(
-        "voicechat_jax.cli.convert",
+    out = shared.run_cli(
+        convert_cli,
         f"--src={src}",
         f"--dst={dst}",
         f"--llm_config={release['llm_config']}",
@@ -502,8 +497,8 @@ def test_served_frames_match_nemo(converted, clip, nemo_tiny, tiny_cfg, tmp_path
     function and codes of every served frame, the RNNT tokens of every frame and the audio."""
     dst, _ = converted
     wav, samples = clip
-    out = _run(
-        "voicechat_jax.cli.serve",
+    out = shared.run_cli(
+        serve_cli,
         f"--checkpoint={dst}",
         "--clock=offline",
         "--speech_sampling=deterministic",

@@ -97,7 +97,11 @@ class Fleet:
             **os.environ,
             "PYTHONPATH": str(REPO),
             "JAX_PLATFORMS": "cpu",
-            "JAX_COMPILATION_CACHE_DIR": str(self.root / "jax_cache"),
+            # The suite's cache (tests/conftest.py) where there is one: the params' programs are
+            # the other tests' too.
+            "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+                "JAX_COMPILATION_CACHE_DIR", str(self.root / "jax_cache")
+            ),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         }

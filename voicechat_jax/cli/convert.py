@@ -167,8 +167,14 @@ class Signals:
     def __init__(self):
         self._depth, self._pending = 0, None
         self.received: int | None = None
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        self._saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for signum in self._saved:
             signal.signal(signum, self._handle)
+
+    def close(self) -> None:
+        """The handlers as they were (``main`` called in a process that goes on, a test's)."""
+        for signum, handler in self._saved.items():
+            signal.signal(signum, handler)
 
     def _handle(self, signum: int, frame) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -213,9 +219,17 @@ def _check(directory: str, verify: ckpt.Verify, manifest_sha256: str | None) -> 
 
 
 def main(argv: list[str]) -> None:
+    """The app on parsed flags; a failure exits (``SystemExit``) with its one line on stderr."""
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]} {_FLAGS_HINT}", 2)
     signals = Signals()
+    try:
+        _main(signals)
+    finally:
+        signals.close()
+
+
+def _main(signals: Signals) -> None:
     if FLAGS.check:
         _check(FLAGS.check, ckpt.Verify(FLAGS.verify), FLAGS.manifest_sha256)
         return
