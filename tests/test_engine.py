@@ -41,8 +41,7 @@ def params():
 @pytest.fixture(scope="module")
 def engine(params):
     """One engine (template + compiled tick) shared by the runs; ``reset`` before each."""
-    serve = ServeConfig(slots=3, frames_per_tick=2, context_frames=64, precision=PREC)
-    return Engine(params, CFG, serve)
+    return shared.engine(ServeConfig(slots=3, frames_per_tick=2, context_frames=64, precision=PREC))
 
 
 def _speech(seconds: float, seed: int) -> np.ndarray:

@@ -30,10 +30,8 @@ SAMPLES_PER_OUT_FRAME = 1764
 
 @pytest.fixture(scope="module")
 def engine():
-    params = shared.params(PREC)
-    return Engine(
-        params, CFG, ServeConfig(slots=3, frames_per_tick=2, context_frames=64, precision=PREC)
-    )
+    # test_engine.py's engine too, where the two files share a worker
+    return shared.engine(ServeConfig(slots=3, frames_per_tick=2, context_frames=64, precision=PREC))
 
 
 def _speech(seconds: float, seed: int) -> np.ndarray:

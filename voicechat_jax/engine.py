@@ -200,6 +200,9 @@ class Engine:
         # stand aside); None otherwise.
         self._warming_resident: list | None = None
         self.compile_s: float | None = None
+        # The compiled resident loop and the host callbacks it calls (``compile_resident``).
+        self._resident = None
+        self._resident_host: tuple[Callable, Callable] | None = None
 
     @property
     def state(self) -> state_lib.SessionState:
@@ -340,16 +343,23 @@ class Engine:
         return out
 
     def compile_resident(self, next_beat, deliver):
-        """Compiles the resident loop bound to these host callbacks; returns the executable.
+        """The resident loop bound to these host callbacks; returns the executable.
 
-        While ``warm_resident`` runs it, the callbacks are not called: the loop runs the warm-up
-        beats, its output dropped, and stops.
+        It is compiled once per engine: the loop's io_callbacks call whichever ``next_beat`` and
+        ``deliver`` the latest call gave (one run at a time drives an engine), so a second run
+        on the same engine (a server run again, a test) does not compile it again. A program
+        with host callbacks is not kept by JAX's persistent compilation cache, so this is the
+        only reuse it gets. While ``warm_resident`` runs it, the callbacks are not called: the
+        loop runs the warm-up beats, its output dropped, and stops.
         """
         if self.mesh is not None:
             raise ValueError(
                 "the resident loop serves one device (its io_callbacks would route every beat "
                 "through device 0); on a mesh use the dispatch loop"
             )
+        self._resident_host = (next_beat, deliver)
+        if self._resident is not None:
+            return self._resident
         t = time.perf_counter()
 
         def next_or_stop(i):
@@ -358,16 +368,17 @@ class Engine:
                 if rest:
                     return rest.pop(0), np.asarray(False)
                 return self.empty_beat(), np.asarray(True)
-            return next_beat(i)
+            return self._resident_host[0](i)
 
         def deliver_unless_warming(i, out):
             if self._warming_resident is None:
-                deliver(i, out)
+                self._resident_host[1](i, out)
 
         fn = step_lib.make_resident(self.cfg, self.serve, next_or_stop, deliver_unless_warming)
         compiled = fn.lower(self.params, self.state, self.template, self.empty_beat()).compile()
         self.compile_s = time.perf_counter() - t
         _log_compiled("resident loop", compiled, self.memory)
+        self._resident = compiled
         return compiled
 
     def warm_resident(self, compiled) -> float:
