@@ -188,10 +188,12 @@ def test_context_cap_and_failed_sessions_are_reported(serve_main, tmp_path):
 
 
 def _serve_until(tmp_path, ticks: int, *flags: str):
-    """Starts a 60 s real-time run; returns (process, output dir, ticks run) once ``ticks`` ran."""
+    """Starts a 60 s real-time run (2 sessions on 4 slots); returns (process, output dir, ticks
+    run) once ``ticks`` ran."""
     out = tmp_path / "out"
     log = (tmp_path / "stdout.txt").open("w"), (tmp_path / "stderr.txt").open("w")
-    cmd = _cmd("--seconds=60", "--sessions=2", "--slots=2", f"--output_dir={out}", *flags)
+    # The README command's 4 slots: its programs are in the suite's compilation cache by now.
+    cmd = _cmd("--seconds=60", "--sessions=2", "--slots=4", f"--output_dir={out}", *flags)
     proc = subprocess.Popen(cmd, stdout=log[0], stderr=log[1], text=True, env=_env())
     deadline = time.monotonic() + 500
     while time.monotonic() < deadline:
