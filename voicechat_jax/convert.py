@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import math
@@ -42,7 +41,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -55,6 +53,7 @@ from absl import logging
 from safetensors import SafetensorError, safe_open
 
 from voicechat_jax import checkpoint as ckpt
+from voicechat_jax import flock
 from voicechat_jax.config import ModelConfig
 from voicechat_jax.keys import KeyRule, KeyTableError, Layout, fill, to_layout
 from voicechat_jax.keys.table import release_table
@@ -109,18 +108,14 @@ class DstLock:
     def __enter__(self) -> DstLock:
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                raise ConversionError(f"cannot create the lock {self.path}: {e.strerror}") from e
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-                os.close(fd)
+                fd = flock.take(self.path)
+            except flock.HeldError as e:
                 raise ConversionError(
-                    f"{self.dst} is being converted by {owner} (lock {self.path}); "
+                    f"{self.dst} is being converted by {e.owner} (lock {self.path}); "
                     f"wait for it to finish or stop it"
                 ) from None
+            except OSError as e:
+                raise ConversionError(f"cannot create the lock {self.path}: {e.strerror}") from e
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(self.path))
             except FileNotFoundError:
@@ -128,8 +123,7 @@ class DstLock:
             if same:
                 break
             os.close(fd)  # the holder removed this file after we opened it
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        flock.claim(fd)
         self._fd = fd
         return self
 

@@ -13,12 +13,12 @@ holder (``OutputDirBusyError``). A directory that already holds a finished run (
 
 from __future__ import annotations
 
-import fcntl
 import os
-import socket
 import time
 
 from absl import logging
+
+from voicechat_jax import flock
 
 LOCK = ".voicechat-serve.lock"
 FINISHED = ("sessions.json", "metrics.jsonl")  # a run writes these; either marks a run done
@@ -49,18 +49,14 @@ class OutputLock:
     def __enter__(self) -> OutputLock:
         try:
             os.makedirs(self.path, exist_ok=True)
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise OutputDirError(f"cannot lock {self.path}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
+            fd = flock.take(self.lock_path)
+        except flock.HeldError as e:
             raise OutputDirBusyError(
-                f"{self.path} is in use by another run ({owner}; lock {self.lock_path}): "
+                f"{self.path} is in use by another run ({e.owner}; lock {self.lock_path}): "
                 "choose another --output_dir, or wait for it to finish"
             ) from None
+        except OSError as e:
+            raise OutputDirError(f"cannot lock {self.path}: {e.strerror or e}") from None
         done = [n for n in FINISHED if os.path.lexists(os.path.join(self.path, n))]
         if done and not self.overwrite:
             os.close(fd)
@@ -68,8 +64,7 @@ class OutputLock:
                 f"{self.path} holds a finished run ({', '.join(done)}): pass --overwrite to "
                 "write over it, or choose another --output_dir"
             )
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        flock.claim(fd)
         self._fd = fd
         return self
 
