@@ -23,8 +23,11 @@ import contextlib
 import dataclasses
 import functools
 import io
+import os
+import shutil
 
 import jax
+import pytest
 
 from voicechat_jax import precision as precision_lib
 from voicechat_jax.config import ModelConfig, ServeConfig, tiny
@@ -100,3 +103,30 @@ def run_cli(module, *flags: str) -> Ran:
         except SystemExit as e:
             code = e.code
     return Ran(0 if code is None else code, out.getvalue(), err.getvalue())
+
+
+# Debian's Chromium for the browser tests (.ci/run installs it), with a fake microphone and
+# camera, allowed without a prompt, and audio that plays without a user gesture.
+CHROMIUM_ARGS = (
+    "--no-sandbox",
+    "--use-fake-device-for-media-stream",
+    "--use-fake-ui-for-media-stream",
+    "--autoplay-policy=no-user-gesture-required",
+)
+
+
+def chromium() -> str:
+    """Chromium's path; skips the test where it is not installed."""
+    path = shutil.which("chromium") or (
+        "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None
+    )
+    if path is None:
+        pytest.skip("no Chromium installed (apt-get install chromium); .ci/run installs it")
+    return path
+
+
+def launch_chromium(playwright, *args: str):
+    """Headless Chromium through Playwright with ``CHROMIUM_ARGS`` and ``args``."""
+    return playwright.chromium.launch(
+        executable_path=chromium(), headless=True, args=[*CHROMIUM_ARGS, *args]
+    )

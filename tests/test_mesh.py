@@ -133,21 +133,31 @@ def test_sessions_join_on_every_device(worker):
     assert not a[f"beat{w.HOLD[0]}/mesh/ran"][w.HOLD[1]]
 
 
-def test_sharded_tick_equals_one_device(worker):
-    """Tokens and codes bit for bit, wav within WAV_ATOL, every beat, every slot that ran."""
-    _, a = worker
-    for k in range(w.BEATS):
+def _same_beats(a: dict, beats: int, got, want, wav_atol: float) -> None:
+    """Every beat, every slot that ran: the slot flags equal, text, function and codes bit for
+    bit, the wav (real audio, not silence) within ``wav_atol``; ``got(k, name)`` and
+    ``want(k, name)`` are the keys of beat ``k``'s two arrays."""
+    for k in range(beats):
         for name in ("ran", "active", "frame", "reseeded"):
-            np.testing.assert_array_equal(a[f"beat{k}/mesh/{name}"], a[f"beat{k}/one/{name}"])
-        ran = a[f"beat{k}/one/ran"]
+            np.testing.assert_array_equal(a[got(k, name)], a[want(k, name)])
+        ran = a[want(k, "ran")]
         assert ran.any()
         for name in ("text", "function", "codes"):
             np.testing.assert_array_equal(
-                a[f"beat{k}/mesh/{name}"][ran], a[f"beat{k}/one/{name}"][ran], err_msg=f"{k} {name}"
+                a[got(k, name)][ran], a[want(k, name)][ran], err_msg=f"{k} {name}"
             )
-        wav_one, wav_mesh = a[f"beat{k}/one/wav"][ran], a[f"beat{k}/mesh/wav"][ran]
-        assert np.abs(wav_one).max() > 1e-2  # real audio, not silence on both sides
-        np.testing.assert_allclose(wav_mesh, wav_one, rtol=0, atol=WAV_ATOL, err_msg=str(k))
+        wav = a[want(k, "wav")][ran]
+        assert np.abs(wav).max() > 1e-2  # real audio on both sides, not silence
+        np.testing.assert_allclose(
+            a[got(k, "wav")][ran], wav, rtol=0, atol=wav_atol, err_msg=str(k)
+        )
+
+
+def test_sharded_tick_equals_one_device(worker):
+    """Tokens and codes bit for bit, wav within WAV_ATOL, every beat, every slot that ran."""
+    _, a = worker
+    _same_beats(a, w.BEATS, lambda k, n: f"beat{k}/mesh/{n}", lambda k, n: f"beat{k}/one/{n}",
+                WAV_ATOL)  # fmt: skip
 
 
 def test_each_device_bit_equal_to_one_device_on_its_slots(worker):
@@ -321,18 +331,9 @@ def test_tp_worker_ran_on_four_devices(tp):
 def test_same_tokens_and_codes_as_one_device(tp, layout):
     """Every beat, every slot that ran: text, function and codes bit for bit; wav to rounding."""
     _, a = tp
-    for k in range(tw.BEATS):
-        for f in ("ran", "active", "frame", "reseeded"):
-            np.testing.assert_array_equal(a[f"{layout}/beat{k}/{f}"], a[f"one/beat{k}/{f}"])
-        ran = a[f"one/beat{k}/ran"]
-        assert ran.any()
-        for f in ("text", "function", "codes"):
-            np.testing.assert_array_equal(
-                a[f"{layout}/beat{k}/{f}"][ran], a[f"one/beat{k}/{f}"][ran], err_msg=f"{k} {f}"
-            )
-        wav = a[f"one/beat{k}/wav"][ran]
-        assert np.abs(wav).max() > 1e-2  # real audio on both sides, not silence
-        np.testing.assert_allclose(a[f"{layout}/beat{k}/wav"][ran], wav, rtol=0, atol=TP_WAV_ATOL)
+    _same_beats(a, tw.BEATS, lambda k, n: f"{layout}/beat{k}/{n}", lambda k, n: f"one/beat{k}/{n}",
+                TP_WAV_ATOL)  # fmt: skip
+    ran = a[f"one/beat{tw.BEATS - 1}/ran"]
     # the script did what it says: a roll-over (prefill in the tick), a held slot, a late joiner
     assert a[f"one/beat{tw.RESEED[0]}/reseeded"][tw.RESEED[1]]
     assert not a[f"one/beat{tw.HOLD[0]}/ran"][tw.HOLD[1]]

@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import pathlib
-import shutil
 import signal
 import socket
 import subprocess
@@ -490,25 +489,11 @@ class TestLive:
         assert "client N+1: server_at_capacity" in proc.stdout
 
     def test_browser_page_streams_a_call(self, live, tmp_path):
-        chromium = shutil.which("chromium") or (
-            "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None
-        )
-        if chromium is None:
-            pytest.skip("no Chromium installed (apt-get install chromium); .ci/run installs it")
+        shared.chromium()  # skips where it is not installed
         from playwright.sync_api import sync_playwright
 
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(
-                executable_path=chromium,
-                headless=True,
-                args=[
-                    "--no-sandbox",
-                    "--use-fake-device-for-media-stream",
-                    "--use-fake-ui-for-media-stream",
-                    f"--use-file-for-fake-audio-capture={ASSET}",
-                    "--autoplay-policy=no-user-gesture-required",
-                ],
-            )
+            browser = shared.launch_chromium(pw, f"--use-file-for-fake-audio-capture={ASSET}")
             try:
                 page = browser.new_page()
                 page.goto(live.url + "/")

@@ -14,12 +14,9 @@ import asyncio
 import base64
 import json
 import logging
-import os
-import shutil
 import time
 
 import aiohttp
-import numpy as np
 import openai
 import pytest
 import websockets
@@ -27,17 +24,18 @@ from openai.types.beta.realtime import realtime_server_event as beta_events
 from openai.types.realtime import realtime_server_event as ga_events
 from pydantic import BaseModel, TypeAdapter
 
+from tests import shared
 from tests.test_net import NET, SPEECH_24K, _wait_until, engine, serving  # noqa: F401
+from tests.test_net_protocol import _beat as protocol_beat
 from voicechat_jax.config import BOS_ID, EOS_ID, PAD_ID
 from voicechat_jax.serving.net import NetConfig, NetFront, auth
 from voicechat_jax.serving.net import protocol as p
-from voicechat_jax.serving.writer import BeatStamp, StreamBeat, StreamEnd
+from voicechat_jax.serving.writer import StreamBeat, StreamEnd
 
 GA = TypeAdapter(ga_events.RealtimeServerEvent)
 BETA = TypeAdapter(beta_events.RealtimeServerEvent)
 KEY = "test-key-31"
 ALLOWED = "https://app.example"
-W = 1764  # 22.05 kHz samples per 80 ms frame
 
 
 def strict(adapter: TypeAdapter, event: dict | bytes | str) -> BaseModel:
@@ -348,26 +346,13 @@ def test_browser_page_keyed_calls_one_after_another(live, tmp_path):
     """The page as a person uses it, against the keyed front: the key typed in (sent as a
     subprotocol), a call, hang-up, a second call without a reload; the transcript follows the
     newest words; the console stays clean (no favicon 404, no error)."""
-    chromium = shutil.which("chromium") or (
-        "/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None
-    )
-    if chromium is None:
-        pytest.skip("no Chromium installed (apt-get install chromium); .ci/run installs it")
+    shared.chromium()  # skips where it is not installed
     from playwright.sync_api import sync_playwright
 
     _, keyed = live
     console: list[str] = []
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=chromium,
-            headless=True,
-            args=[
-                "--no-sandbox",
-                "--use-fake-device-for-media-stream",
-                "--use-fake-ui-for-media-stream",
-                "--autoplay-policy=no-user-gesture-required",
-            ],
-        )
+        browser = shared.launch_chromium(pw)
         try:
             page = browser.new_page()
             page.on("console", lambda m: m.type == "error" and console.append(m.text))
@@ -460,17 +445,8 @@ def test_auth_rules(tmp_path, monkeypatch):
 
 
 def _beat(tick: int, text, function=None, transcript=None) -> StreamBeat:
-    T = len(text)
-    return StreamBeat(
-        stamp=BeatStamp(tick, tick * 0.16, tick * 0.16 + 0.16, tick * 0.16 + 0.05),
-        frame=2 * tick,
-        wav=np.zeros((T * W,), np.float32),
-        text=np.asarray(text, np.int32),
-        function=np.asarray(function or [PAD_ID] * T, np.int32),
-        transcript=tuple(tuple(t) for t in (transcript or [()] * T)),
-        underrun=False,
-        rollover=None,
-    )
+    """Beat ``tick`` of two frames (``test_net_protocol``'s beats)."""
+    return protocol_beat(tick, 2 * tick, text, function, transcript)
 
 
 class Call:
