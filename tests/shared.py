@@ -51,25 +51,22 @@ def _params(precision: precision_lib.Precision) -> voicechat.ModelParams:
     return jax.block_until_ready(voicechat.init_compiled(jax.random.key(0), CFG, precision))
 
 
-def _template_key(serve: ServeConfig) -> tuple:
-    """The fields of ``serve`` the fresh-session template depends on (``engine.template_fn``)."""
-    return (serve.precision, serve.context_frames, serve.system_prompt, serve.deterministic)
+def template(serve: ServeConfig):
+    """The fresh-session state of ``serve`` on ``params(serve.precision)``, built once for the
+    fields of ``serve`` it depends on (those ``engine.template_fn`` reads)."""
+    return _template(serve.precision, serve.context_frames, serve.system_prompt,
+                     serve.speech_sampling)  # fmt: skip
 
 
 @functools.cache
-def _template(key: tuple, serve: ServeConfig):
-    del key  # the cache's key; ``serve`` is the first configuration that asked for it
-    return jax.block_until_ready(build_template(params(serve.precision), CFG, serve))
-
-
-def template(serve: ServeConfig):
-    """The fresh-session state of ``serve`` on ``params(serve.precision)``."""
-    key = _template_key(serve)
-    first = _TEMPLATE_SERVES.setdefault(key, serve)
-    return _template(key, first)
-
-
-_TEMPLATE_SERVES: dict[tuple, ServeConfig] = {}
+def _template(precision, context_frames: int, system_prompt: tuple, speech_sampling: str):
+    serve = ServeConfig(
+        precision=precision,
+        context_frames=context_frames,
+        system_prompt=system_prompt,
+        speech_sampling=speech_sampling,
+    )
+    return jax.block_until_ready(build_template(params(precision), CFG, serve))
 
 
 @functools.cache
