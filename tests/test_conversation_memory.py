@@ -13,6 +13,7 @@ import json
 import pathlib
 import wave
 
+import chex
 import numpy as np
 import pytest
 
@@ -147,7 +148,7 @@ def test_thresholds_scale_to_the_cap():
     full = RolloverPolicy.for_cap("memory", 1500, 2)
     assert (full.soft_frames, full.hard_frames, full.capsule_limit) == (1125, 1375, 96)
     small = RolloverPolicy.for_cap("memory", 32, 2, capsule_tokens=8)
-    assert (small.soft_frames, small.hard_frames, small.capsule_limit) == (24, 29, 8)
+    assert (small.soft_frames, small.hard_frames, small.capsule_limit) == (24, 28, 8)
     tight = RolloverPolicy.for_cap("reset", 6, 2)
     assert tight.hard_frames <= 4
     assert tight.soft_frames <= tight.hard_frames
@@ -155,7 +156,7 @@ def test_thresholds_scale_to_the_cap():
     assert small.decide(23, 100) is None
     assert small.decide(24, 3) is None  # between the thresholds, no pause yet
     assert small.decide(24, 4) == "pause"
-    assert small.decide(29, 0) == "hard"
+    assert small.decide(28, 0) == "hard"
     for mode in ("end", "rollover"):  # the host rolls nothing over
         assert RolloverPolicy.for_cap(mode, 32, 2).decide(1000, 1000) is None
     with pytest.raises(ValueError, match="at_cap must be one of"):
@@ -292,9 +293,10 @@ def test_long_call_rolls_over_without_losing_a_frame(engine, tmp_path):
     assert len({e["tick"] for e in events}) == len(events) == server.rollovers
     soft, hard = server.rollover.soft_frames, server.rollover.hard_frames
     for e in events:
+        # Asked a beat ahead (at most FPT - 1 frames past a threshold), applied a beat later.
         assert e["reason"] in ("pause", "hard")
-        assert soft <= e["context"] <= hard + FPT - 1
-        assert e["context"] + FPT <= CAP
+        assert soft + FPT <= e["context"] <= hard + 2 * FPT - 1
+        assert e["context"] <= CAP
         assert e["frame"] == FPT * (e["tick"] + 1)
     # No frame lost or repeated: the files hold every tick's frames, numbered 0..n-1.
     lines = [json.loads(x) for x in (tmp_path / "a" / "frames.jsonl").read_text().splitlines()]
@@ -324,6 +326,22 @@ def test_long_call_rolls_over_without_losing_a_frame(engine, tmp_path):
     assert any(server.asked[e["tick"]][0].shape[0] > 0 for e in events)
     kept = server.retained()  # the session is live at the end: one of each, no more
     assert (kept["memories"], kept["context"], kept["live"]) == (1, 1, 1)
+
+
+def test_resident_loop_rolls_over_as_the_dispatch_loop(engine):
+    """The resident loop prefills a capsule asked a beat ahead in its own lane (``step``'s
+    ``_next_lane``), the staged dispatch loop in a program of its own: the same roll-overs, the
+    same outputs bit for bit."""
+    plans = [SessionPlan("a", _speech(40 * 0.16, 4))]
+    runs = {}
+    for loop in ("dispatch", "resident"):
+        engine.reset()
+        server, rows = _serve(engine, plans, 40, loop=loop)
+        events = [(r["tick"], r["capsule_len"]) for r in rows if r.get("event") == "rollover"]
+        runs[loop] = server.logs["a"].arrays(), events
+    assert runs["dispatch"][1] == runs["resident"][1]
+    assert any(n > 0 for _, n in runs["dispatch"][1])  # a capsule was prefilled
+    chex.assert_trees_all_equal(runs["dispatch"][0], runs["resident"][0])
 
 
 def test_neighbour_unchanged_by_a_rollover(engine):
@@ -362,7 +380,7 @@ def test_sessions_due_together_roll_over_in_different_beats(engine):
     ticks = [e["tick"] for e in events]
     assert len(set(ticks)) == len(ticks)
     hard = server.rollover.hard_frames
-    assert all(e["context"] <= hard + FPT - 1 for e in events)
+    assert all(e["context"] <= hard + 2 * FPT - 1 for e in events)
     assert all(len(asked) == 1 for asked in server.asked.values())
 
 
@@ -428,7 +446,7 @@ def test_five_minute_call_rolls_over_twice_at_the_real_thresholds(tmp_path):
     assert (server.rollover.soft_frames, server.rollover.hard_frames) == (1125, 1375)
     assert len(events) >= 2
     for e in events:
-        assert 1125 <= e["context"] <= 1375 + FPT - 1
+        assert 1125 + FPT <= e["context"] <= 1375 + 2 * FPT - 1  # applied a beat after asked
         assert e["capsule_len"] <= 96
     lines = [json.loads(x) for x in (tmp_path / "a" / "frames.jsonl").read_text().splitlines()]
     assert [r["frame"] for r in lines] == list(range(n_ticks * FPT))

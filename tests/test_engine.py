@@ -107,9 +107,9 @@ def test_churn_every_tick_compiles_once(params):
     recording[0] = False
     assert compiles.count == 1
     assert engine.staged
-    # The tick and its staged admission and two roll-over programs (with and without a
-    # capsule), once each.
-    assert len(events) == 4
+    # The tick and its staged admission, three roll-over programs (a capsule prefilled in the
+    # beat, none, one prefilled a beat ahead) and the capsule prefill, once each.
+    assert len(events) == 6
     summary = server.metrics.summary()
     assert summary["events"]["admitted"] == 10
     assert summary["events"].get("refused", 0) == 0

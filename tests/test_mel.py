@@ -69,8 +69,18 @@ def _stream(params, audio, sizes, step):
     return np.concatenate(out, axis=1)  # positions -7 .. 8 (c - 1)
 
 
+# The suite compiles with fast CPU code generation (``tests/conftest.py``), which rounds the FFT a
+# little differently: on an AVX-512 machine the log-mel's largest error against the float64 truth
+# was 1.55x NeMo's under it and within 1.5x with XLA's default optimisation (2026-12-05). The
+# log-mel is compiled here as a server compiles it.
+_SERVED_CODEGEN = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+
+
 def _jit_step():
-    return jax.jit(lambda p, t, x, s: mel_lib.logmel_step(p, t, x, s, cfg=CFG))
+    return jax.jit(
+        lambda p, t, x, s: mel_lib.logmel_step(p, t, x, s, cfg=CFG),
+        compiler_options=_SERVED_CODEGEN,
+    )
 
 
 def test_buffers_match_nemo(nemo):

@@ -31,8 +31,8 @@ def params():
 
 
 def _beats(engine: Engine, n: int) -> list:
-    """Joins, a held slot, roll-overs with a capsule and with none, a leave and a re-join, past
-    the cap."""
+    """Joins, a held slot, roll-overs with a capsule (asked a beat ahead, and once with another
+    capsule than the one prefilled) and with none, a leave and a re-join, past the cap."""
     rng = np.random.default_rng(3)
     beats = []
     for k in range(n):
@@ -41,10 +41,18 @@ def _beats(engine: Engine, n: int) -> list:
         if k == 0:
             beat.admit[:2] = True
             beat.key[:2] = [[1, 2], [3, 4]]
-        if k == 2:
-            beat.reseed[1] = True
+        if k in (1, 2):  # prefilled after tick 1 (a staged engine's lane), applied at tick 2
+            (beat.prefill if k == 1 else beat.reseed)[1] = True
             beat.capsule[1, :3] = [5, 6, 7]
             beat.capsule_len[1] = 3
+        if k == 8:
+            beat.prefill[1] = True
+            beat.capsule[1, :2] = [1, 2]
+            beat.capsule_len[1] = 2
+        if k == 9:  # another capsule than the lane's: prefilled in the beat (``reseed``)
+            beat.reseed[1] = True
+            beat.capsule[1, :1] = [1]
+            beat.capsule_len[1] = 1
         if k == 3:
             beat.release[0] = True
             beat.admit[2] = True
@@ -98,6 +106,7 @@ def test_staged_engine_matches_the_one_program_tick(params, rollover_pair, at_ca
         b = jax.device_get(staged.tick(beat))
         chex.assert_trees_all_equal(a, b)
         mirror_agrees(staged)
+        assert staged.prefilled == ((1,) if k in (1, 8) else ())
         reported["reseeded"] += int(a.reseeded.sum())
         reported["at_cap"] += int(a.at_cap.sum())
         if k == 6:  # a state set from outside: the mirror is read back from the device
@@ -128,7 +137,7 @@ def _whiles(hlo: str) -> tuple[int, int]:
 def test_staged_programs_have_no_loop_the_device_decides(rollover_pair):
     one, staged = rollover_pair
     stages = staged.stages
-    for name in ("admit", "reseed", "restart", "tick"):
+    for name in ("admit", "reseed", "restart", "swap", "lane", "tick"):
         n, known = _whiles(getattr(stages, name).as_text())
         assert n == known, (name, n, known)
     assert _whiles(stages.tick.as_text())[0] > 0  # the frame scan, the RNNT symbol loop

@@ -48,7 +48,7 @@ class MemoryPlan:
     state_bytes: int  # slots * slot_bytes
     limit_bytes: int | None  # the device allocator's limit (None: unknown, e.g. the CPU)
     in_use_bytes: int  # already allocated (weights, template) when the plan was made
-    scratch_bytes: int  # kept free for the tick's scratch
+    scratch_bytes: int  # kept free for the tick's scratch and a capsule prefilled a beat ahead
 
     @property
     def free_bytes(self) -> int | None:
@@ -105,7 +105,9 @@ def plan_memory(
     dev_limit, dev_in_use = _device_memory(device or jax.devices()[0])
     limit = dev_limit if limit_bytes is None else limit_bytes
     in_use = dev_in_use if in_use_bytes is None else in_use_bytes
-    scratch = 0 if limit is None else int(SCRATCH_FRACTION * limit)
+    # Scratch: the tick's share, and one roll-over's capsule prefilled a beat ahead (an LLM state).
+    lane = sum(x.nbytes for x in jax.tree_util.tree_leaves(template.llm))
+    scratch = 0 if limit is None else int(SCRATCH_FRACTION * limit) + lane
     return MemoryPlan(
         slots=slots,
         slot_bytes=per_slot,
@@ -114,6 +116,17 @@ def plan_memory(
         in_use_bytes=in_use,
         scratch_bytes=scratch,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lane:
+    """A staged engine's capsule prefilled a beat ahead (``step.prefill_lane``), for one slot."""
+
+    ids: np.ndarray  # the capsule's ids (its length is the capsule's)
+    llm: object  # the LLM state it rolls over to ([1, ...] leaves, on the device)
+
+    def holds(self, ids: np.ndarray) -> bool:
+        return self.ids.shape == ids.shape and bool(np.all(self.ids == ids))
 
 
 class Engine:
@@ -195,6 +208,7 @@ class Engine:
         self.samples_per_beat = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
         self._tick = None
         self._staged: step_lib.StagedPrograms | None = None
+        self._lanes: dict[int, _Lane] = {}  # staged: slot -> its capsule, prefilled last beat
         self._warmed = False
         # While ``warm_resident`` runs: the warm-up beats still to feed (the host's callbacks
         # stand aside); None otherwise.
@@ -215,6 +229,7 @@ class Engine:
         # the host's mirror of it is read back from the device at the next staged beat.
         self._state = state
         self._mirror = None
+        self._lanes = {}
 
     def reset(self) -> None:
         """Every slot back to the fresh template, none live (the compiled tick is kept)."""
@@ -250,12 +265,19 @@ class Engine:
                         self.params, self.state, self.template, slot, capsule, slot
                     ).compile(),
                     restart=staged.restart.lower(self.state, self.template, slot).compile(),
+                    swap=staged.swap.lower(
+                        self.state, self.template, slot, self.template.llm
+                    ).compile(),
+                    lane=staged.lane.lower(
+                        self.params, self.template, capsule, slot, slot
+                    ).compile(),
                     tick=staged.tick.lower(*args).compile(),
                 )
                 self._tick = self._staged.tick
                 _log_compiled("admission", self._staged.admit, self.memory)
                 _log_compiled("roll-over", self._staged.reseed, self.memory)
                 _log_compiled("empty roll-over", self._staged.restart, self.memory)
+                _log_compiled("capsule prefill", self._staged.lane, self.memory)
             elif self.mesh is None:
                 self._tick = step_lib.make_tick(self.cfg, self.serve).lower(*args).compile()
             else:
@@ -298,15 +320,19 @@ class Engine:
         return time.perf_counter() - t
 
     def _warm_beats(self) -> tuple[state_lib.BeatInput, state_lib.BeatInput]:
-        """Two beats down every path: every slot admitted and rolled over with a one-id capsule,
-        then every slot rolled over with an empty one (no prefill: ``step.restart_slot``)."""
+        """Two beats down every path: every slot admitted and rolled over with a one-id capsule
+        (prefilled in the beat), slot 0's next roll-over prefilled after the tick (a lane); then
+        slot 0 rolled over from its lane and every other slot with an empty capsule (no prefill:
+        ``step.restart_slot``)."""
         first = self.empty_beat()
         first.admit[:] = True
         first.reseed[:] = True
         first.capsule_len[:] = 1
+        first.prefill[0] = True
         first.key[:] = np.arange(first.key.size, dtype=np.uint32).reshape(first.key.shape)
         second = self.empty_beat()
         second.reseed[:] = True
+        second.capsule_len[0] = 1
         return first, second
 
     def tick(self, beat: state_lib.BeatInput) -> state_lib.BeatOutput:
@@ -326,21 +352,37 @@ class Engine:
         self._mirror = None  # until every program of the beat is dispatched
         admitted, rolled, capsule_len = mirror.stage(beat, self.serve)
         programs = self._staged
+        lanes, self._lanes = self._lanes, {}
         for b in admitted:
             self._state = programs.admit(self._state, self.template, np.int32(b))
         for b in np.flatnonzero(rolled):
-            if capsule_len[b] == 0:  # nothing to prefill: the template's LLM state as it is
+            n = int(capsule_len[b])
+            if n == 0:  # nothing to prefill: the template's LLM state as it is
                 self._state = programs.restart(self._state, self.template, np.int32(b))
-                continue
-            self._state = programs.reseed(
-                self.params, self._state, self.template, np.int32(b), beat.capsule[b],
-                capsule_len[b],
-            )  # fmt: skip
+            elif (lane := lanes.get(b)) is not None and lane.holds(beat.capsule[b, :n]):
+                self._state = programs.swap(self._state, self.template, np.int32(b), lane.llm)
+            else:
+                self._state = programs.reseed(
+                    self.params, self._state, self.template, np.int32(b), beat.capsule[b], n
+                )
         self._state, out = tick(
             self.params, self._state, self.template, beat.replace(reseed=rolled)
         )
         self._mirror = mirror
+        # Next beat's roll-overs: their capsules prefilled now, behind the tick on the device.
+        for b in np.flatnonzero(np.asarray(beat.prefill) & (np.asarray(beat.capsule_len) > 0)):
+            n = int(beat.capsule_len[b])
+            llm = programs.lane(
+                self.params, self.template, beat.capsule[b], np.int32(n), np.int32(b)
+            ).llm
+            self._lanes[b] = _Lane(np.array(beat.capsule[b, :n]), llm)
         return out
+
+    @property
+    def prefilled(self) -> tuple[int, ...]:
+        """Slots whose next roll-over's capsule is prefilled (staged engines: asked by the last
+        beat's ``prefill``)."""
+        return tuple(sorted(int(b) for b in self._lanes))
 
     def compile_resident(self, next_beat, deliver):
         """The resident loop bound to these host callbacks; returns the executable.

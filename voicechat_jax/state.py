@@ -51,8 +51,11 @@ class BeatInput:
     key: jax.Array  # [B, 2] uint32: sampling key of the sessions admitted this beat
     run: jax.Array  # [B] bool: live slots that advance this beat (a held slot stays bit-identical)
     reseed: jax.Array  # [B] bool: roll these sessions over to a fresh context before the beat
-    capsule: jax.Array  # [B, U] int32: the conversation capsule's token ids of a re-seeded slot
+    capsule: jax.Array  # [B, U] int32: token ids of a slot's capsule (``reseed``, ``prefill``)
     capsule_len: jax.Array  # [B] int32: its length (0: the system prompt alone)
+    # [B] bool: these sessions will be in ``reseed`` next beat with the capsule given here; an
+    # engine that can prefills it after this beat's tick, in its slack (``step.CapsuleLane``).
+    prefill: jax.Array
 
 
 @struct.dataclass
@@ -79,6 +82,7 @@ def empty_beat(slots: int, samples: int, capsule_tokens: int = 96) -> BeatInput:
         reseed=np.zeros((slots,), np.bool_),
         capsule=np.zeros((slots, capsule_tokens), np.int32),
         capsule_len=np.zeros((slots,), np.int32),
+        prefill=np.zeros((slots,), np.bool_),
     )
 
 

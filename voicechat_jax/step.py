@@ -31,6 +31,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax.experimental import io_callback
 
 from voicechat_jax.config import PAD_ID, ModelConfig, ServeConfig
@@ -93,6 +94,39 @@ def _put_slot(tree, one, b):
     )
 
 
+@struct.dataclass
+class CapsuleLane:
+    """A roll-over's capsule already prefilled: the LLM state a slot rolls over to.
+
+    The host asks for a roll-over a beat ahead (``BeatInput.prefill``); the capsule is prefilled
+    into a lane after that beat's tick, in the beat's slack, and the next beat's roll-over of the
+    slot (``reseed``) takes the lane's state instead of prefilling in the beat. A lane is used only
+    for the slot, ids and length it was prefilled for (anything else prefills as before).
+    """
+
+    llm: nano.NanoState  # [1, ...] the template's LLM state with ``ids[:n]`` prefilled after it
+    slot: jax.Array  # int32 scalar: the slot it is for; -1: an empty lane
+    ids: jax.Array  # [U] int32: the capsule it holds
+    n: jax.Array  # int32 scalar: its length
+
+    @classmethod
+    def empty(cls, template: voicechat.FrameState, capsule_tokens: int) -> CapsuleLane:
+        return cls(
+            llm=template.llm,
+            slot=jnp.full((), -1, jnp.int32),
+            ids=jnp.zeros((capsule_tokens,), jnp.int32),
+            n=jnp.zeros((), jnp.int32),
+        )
+
+
+def prefill_lane(params, template, capsule, capsule_len, slot, *, cfg: ModelConfig) -> CapsuleLane:
+    """The lane of slot ``slot`` (int32 scalar) rolling over with ``capsule[:capsule_len]`` ([U],
+    an int32 scalar > 0): the capsule prefilled after the template's LLM state
+    (``_capsule_llm``)."""
+    llm = _capsule_llm(params, template, capsule[None], capsule_len[None], cfg=cfg)
+    return CapsuleLane(llm=llm, slot=slot, ids=capsule, n=capsule_len)
+
+
 def reseed(
     params,
     model: voicechat.FrameState,
@@ -102,6 +136,7 @@ def reseed(
     capsule_len: jax.Array,
     *,
     cfg: ModelConfig,
+    lane: CapsuleLane | None = None,
 ) -> voicechat.FrameState:
     """Roll the sessions in ``mask`` [B] over to a fresh context that remembers the conversation.
 
@@ -116,6 +151,8 @@ def reseed(
     Args:
       capsule: [B, U] int32 token ids (U static, e.g. 96), read up to ``capsule_len``.
       capsule_len: [B] int32 in [0, U].
+      lane: a capsule already prefilled (``CapsuleLane``): the slot it is for takes its LLM state
+        when its capsule is the lane's, with no prefill in the tick.
     """
     B = mask.shape[0]
     slots = jnp.nonzero(mask, size=B, fill_value=0)[0]
@@ -125,11 +162,16 @@ def reseed(
         ids = jax.lax.dynamic_slice_in_dim(capsule, b, 1, axis=0)  # [1, U]
         n = jax.lax.dynamic_slice_in_dim(capsule_len, b, 1, axis=0)
         # An empty capsule leaves the template's LLM state as it is: no prefill to run.
-        llm = jax.lax.cond(
-            n[0] > 0,
-            lambda: _capsule_llm(params, template, ids, n, cfg=cfg),
+        branches = [
             lambda: template.llm,
-        )
+            lambda: _capsule_llm(params, template, ids, n, cfg=cfg),
+        ]
+        which = (n[0] > 0).astype(jnp.int32)
+        if lane is not None:
+            ready = (lane.slot == b) & (lane.n == n[0]) & jnp.all(lane.ids == ids[0])
+            branches.append(lambda: lane.llm)
+            which = jnp.where(ready & (n[0] > 0), 2, which)
+        llm = jax.lax.switch(which, branches)
         return _restart_one(m, template, b, llm)
 
     return jax.lax.fori_loop(0, jnp.sum(mask, dtype=jnp.int32), one, model)
@@ -187,6 +229,15 @@ def restart_slot(
     return state.replace(model=_restart_one(state.model, template, slot, template.llm))
 
 
+def swap_slot(
+    state: SessionState, template: voicechat.FrameState, slot: jax.Array, llm: nano.NanoState
+) -> SessionState:
+    """Slot ``slot`` rolled over to the LLM state ``llm`` ([1, ...]: a ``CapsuleLane``'s, the
+    capsule prefilled a beat before), in place: ``reseed_slot`` with its prefill already done
+    (``make_staged``)."""
+    return state.replace(model=_restart_one(state.model, template, slot, llm))
+
+
 def hold_full(model: voicechat.FrameState, fpt: int, mask: jax.Array) -> voicechat.FrameState:
     """Benchmarks only (``ServeConfig.hold_full``): both attention caches of the slots in
     ``mask`` [B] set to one beat short of full, so the beat writes their last ``fpt`` rows and
@@ -214,6 +265,7 @@ def tick(
     cfg: ModelConfig,
     serve: ServeConfig,
     staged: bool = False,
+    lane: CapsuleLane | None = None,
 ) -> tuple[SessionState, BeatOutput]:
     """Advance every slot by one beat, in place. Donates ``state`` when jitted (``make_tick``).
 
@@ -237,6 +289,10 @@ def tick(
       the at-cap fallback included), so this tick has no loop whose trip count the device
       decides: on a GPU its call returns without waiting for the device. ``beat.reseed`` then
       says which slots were rolled over.
+
+      ``lane``: a capsule prefilled after the last beat's tick (``CapsuleLane``; the resident
+      loop's): the roll-over it is for takes its state instead of prefilling here.
+      ``beat.prefill`` is not read here (the drivers prefill lanes after the tick).
     """
     fpt = serve.frames_per_tick
     active = (state.active & ~beat.release) | beat.admit
@@ -251,7 +307,9 @@ def tick(
             # A session at the cap that the host did not roll over itself goes on from the system
             # prompt alone; it keeps its key, its streams and its audio.
             reseeded = reseeded | at_cap
-        model = reseed(params, model, template, reseeded, beat.capsule, capsule_len, cfg=cfg)
+        model = reseed(
+            params, model, template, reseeded, beat.capsule, capsule_len, cfg=cfg, lane=lane
+        )
     # At the cap and not rolled over: the session ends (``at_cap='end'``).
     at_cap = active & ~has_room(model, fpt) & ~reseeded
     if serve.hold_full:
@@ -297,27 +355,33 @@ def make_tick(cfg: ModelConfig, serve: ServeConfig) -> Callable:
 class StagedPrograms:
     """The dispatch loop's programs when admission and roll-over are staged (``Engine``).
 
-    Each donates the state. ``admit(state, template, slot)``, ``reseed(params, state, template,
-    slot, capsule, capsule_len)`` and ``restart(state, template, slot)`` (a roll-over with an
-    empty capsule) touch one slot and are dispatched only for the slots that need them, before
-    ``tick(params, state, template, beat)`` (``tick`` with ``staged=True``). None of them has a
-    loop whose trip count the device decides.
+    ``admit(state, template, slot)``, ``reseed(params, state, template, slot, capsule,
+    capsule_len)``, ``restart(state, template, slot)`` (a roll-over with an empty capsule) and
+    ``swap(state, template, slot, llm)`` (a roll-over to a lane's prefilled LLM state) touch one
+    slot, donate the state and are dispatched only for the slots that need them, before
+    ``tick(params, state, template, beat)`` (``tick`` with ``staged=True``). ``lane(params,
+    template, capsule, capsule_len, slot)`` prefills a capsule the host will ask for next beat
+    (``prefill_lane``), dispatched after the tick. None of them has a loop whose trip count the
+    device decides.
     """
 
     admit: Callable
     reseed: Callable
     restart: Callable
+    swap: Callable
+    lane: Callable
     tick: Callable
 
 
 def make_staged(cfg: ModelConfig, serve: ServeConfig) -> StagedPrograms:
     """The jitted programs of the staged dispatch tick for one server configuration."""
+    precision = serve.precision
     return StagedPrograms(
         admit=jax.jit(admit_slot, donate_argnums=(0,)),
-        reseed=jax.jit(
-            _in_scope(reseed_slot, cfg=cfg, precision=serve.precision), donate_argnums=(1,)
-        ),
+        reseed=jax.jit(_in_scope(reseed_slot, cfg=cfg, precision=precision), donate_argnums=(1,)),
         restart=jax.jit(restart_slot, donate_argnums=(0,)),
+        swap=jax.jit(swap_slot, donate_argnums=(0,)),
+        lane=jax.jit(_in_scope(prefill_lane, cfg=cfg, precision=precision)),
         tick=jax.jit(_in_scope(tick, cfg=cfg, serve=serve, staged=True), donate_argnums=(1,)),
     )
 
@@ -434,8 +498,8 @@ def resident_loop(
     stop_struct = jax.ShapeDtypeStruct((), jnp.bool_)
 
     def body(carry):
-        k, s, beat, _ = carry
-        s, out = tick(params, s, template, beat, cfg=cfg, serve=serve)
+        k, s, beat, _, lane = carry
+        s, out = tick(params, s, template, beat, cfg=cfg, serve=serve, lane=lane)
         leaves, treedef = jax.tree_util.tree_flatten(out)
 
         def deliver_host(kk, *host_leaves):
@@ -445,17 +509,42 @@ def resident_loop(
         token = io_callback(
             deliver_host, jax.ShapeDtypeStruct((), jnp.int32), k, *leaves, ordered=True
         )
+        # The capsule the host will ask for next beat, prefilled once this beat's output is on
+        # the host (the token orders it after ``deliver``) and before the host's wait for the
+        # next beat (its length is an operand of ``next_beat``'s callback): in the beat's slack.
+        lane = _next_lane(params, template, beat, lane, token, cfg=cfg)
         nb, stop = io_callback(
-            lambda kk, _tok: next_beat(int(kk)), (beat_struct, stop_struct), k, token, ordered=True
+            lambda kk, _tok, _lane: next_beat(int(kk)),
+            (beat_struct, stop_struct),
+            k,
+            token,
+            lane.n,
+            ordered=True,
         )
-        return k + 1, s, nb, stop
+        return k + 1, s, nb, stop, lane
 
     def cond(carry):
         return ~carry[3]
 
-    carry = (jnp.zeros((), jnp.int32), state, first_beat, jnp.zeros((), jnp.bool_))
-    _, state, _, _ = jax.lax.while_loop(cond, body, carry)
+    lane = CapsuleLane.empty(template, first_beat.capsule.shape[1])
+    carry = (jnp.zeros((), jnp.int32), state, first_beat, jnp.zeros((), jnp.bool_), lane)
+    _, state, _, _, _ = jax.lax.while_loop(cond, body, carry)
     return state
+
+
+def _next_lane(params, template, beat: BeatInput, lane: CapsuleLane, token, *, cfg) -> CapsuleLane:
+    """The resident loop's one lane for the next beat: the first slot of ``beat.prefill`` with a
+    capsule, prefilled; or the lane left empty (``slot`` -1). Further requests of the same beat
+    are prefilled in the next tick (``reseed``)."""
+    want = beat.prefill & (beat.capsule_len > 0)
+    b = jnp.argmax(want).astype(jnp.int32)
+    ids = beat.capsule[b] + token  # ``token`` (0) makes the prefill wait for ``deliver``
+    n = beat.capsule_len[b]
+    return jax.lax.cond(
+        jnp.any(want),
+        lambda: prefill_lane(params, template, ids, n, b, cfg=cfg),
+        lambda: lane.replace(slot=jnp.full((), -1, jnp.int32)),
+    )
 
 
 def make_resident(cfg: ModelConfig, serve: ServeConfig, next_beat, deliver):

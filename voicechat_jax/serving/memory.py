@@ -31,17 +31,19 @@ part of it (no JAX):
   hard thresholds in frames of the session's LLM context (positions after the system prompt:
   capsule plus frames since the last seed). Defaults 1,125 and 1,375 frames, as the
   TensorRT-Model-Connect runtime; scaled to a smaller cap (75 % and 92 % of it, and the hard one
-  at least one beat below the cap). ``decide`` rolls a session over between the thresholds when
-  both sides have been silent for ``pause_frames`` frames, and at the hard threshold regardless.
+  at least two beats below the cap: the server asks for a roll-over a beat before it is applied,
+  ``Server._roll_over``, and the session runs that beat on its old context).
+  ``decide`` rolls a session over between the thresholds when both sides have been silent for
+  ``pause_frames`` frames, and at the hard threshold regardless.
   ``plan`` picks a beat's roll-overs from all its sessions: at most ``max_per_beat`` of them,
-  because each one with a capsule costs the whole beat a prefill of U positions (on an H200 with
+  because each one with a capsule costs the device a prefill of U positions (on an H200 with
   the 11B preset, ``experiments/rollover_cost``: +10.6 ms a roll-over at 16 sessions with the
   staged tick, 16 in one beat took it from 75 to 258 ms; an empty capsule skips the prefill,
-  +0.8 ms). Sessions that started together would otherwise reach the hard
-  threshold together; ``plan`` spreads them, rolling one early ("spread", between the thresholds)
-  whenever those past the soft threshold could not all be rolled by the hard one at
-  ``max_per_beat`` a beat. The ``rollover`` mode has no host side: sessions that reach the cap in
-  the same beat roll over in it together.
+  +0.8 ms). Asked a beat ahead, the prefill runs after the asking beat's tick, in its slack.
+  Sessions that started together would otherwise reach the hard threshold together; ``plan``
+  spreads them, rolling one early ("spread", between the thresholds) whenever those past the soft
+  threshold could not all be rolled by the hard one at ``max_per_beat`` a beat. The ``rollover``
+  mode has no host side: sessions that reach the cap in the same beat roll over in it together.
 """
 
 from __future__ import annotations
@@ -255,8 +257,9 @@ class RolloverPolicy:
         pause_frames: int = 4,
         max_per_beat: int = 1,
     ) -> RolloverPolicy:
-        """The thresholds scaled to the cap: at most 75 % / 92 % of it, hard a beat below it."""
-        hard = min(hard_frames, round(0.92 * context_frames), context_frames - frames_per_tick)
+        """The thresholds scaled to the cap: at most 75 % / 92 % of it, hard two beats below it
+        (a roll-over asked at it is applied a beat later)."""
+        hard = min(hard_frames, round(0.92 * context_frames), context_frames - 2 * frames_per_tick)
         hard = max(hard, 1)
         soft = max(1, min(soft_frames, round(0.75 * context_frames), hard))
         return cls(mode, soft, hard, pause_frames, capsule_tokens, max_per_beat, frames_per_tick)

@@ -323,6 +323,8 @@ class Server:
         self._inflight: dict[int, tuple] = {}  # resident: device iteration -> the beat's stamps
         self._context: dict[Hashable, int] = {}  # LLM context frames after the beat prepared last
         self._memories: dict[Hashable, ConversationMemory] = {}
+        # Roll-overs asked this beat, applied next beat: session -> their fields and capsule.
+        self._rolling: dict[Hashable, dict] = {}
         self._n_ticks = 0
         # Writer thread.
         self.logs = _Retained(max_ended)  # session -> SessionOutput (keep_outputs)
@@ -362,6 +364,7 @@ class Server:
             "silent": len(self._silent),
             "inflight": len(self._inflight),
             "context": len(self._context),
+            "rolling": len(self._rolling),
             "memories": len(self._memories),
             "sinks": len(self._sinks),
             "capped": len(self._capped),
@@ -398,6 +401,7 @@ class Server:
             owner.ended(sid, why, detail, tick)
         self._silent.pop(sid, None)
         self._context.pop(sid, None)
+        self._rolling.pop(sid, None)
         self._memories.pop(sid, None)
         if why == "failed":
             self.failed_sessions += 1
@@ -489,22 +493,38 @@ class Server:
         return beat
 
     def _roll_over(self, k: int, live: list, beat: state_lib.BeatInput) -> dict[int, dict]:
-        """Sets ``beat``'s roll-overs (reseed, capsule) by the policy; counts each live
-        session's LLM context frames through this beat. Returns slot -> the roll-over's fields.
+        """Sets ``beat``'s roll-overs by the policy; counts each live session's LLM context frames
+        through this beat. Returns slot -> the fields of the roll-overs applied in this beat.
+
+        A roll-over is asked a beat ahead: the policy's choice in beat k goes in beat k's
+        ``prefill`` with its capsule (the engine prefills it after tick k, in the beat's slack,
+        where it can) and in beat k + 1's ``reseed`` (applied before tick k + 1), so that its
+        prefill need not lengthen a beat. The session runs beat k on its old context.
 
         The count is the device's own: every live slot runs ``fpt`` frames each beat it is not
         held in (a held one is not rolled over), and a re-seeded one starts again from its capsule.
         """
         fpt = self.engine.serve.frames_per_tick
         policy = self.rollover
+        slot_of = {sid: b for b, sid in enumerate(live) if sid is not None}
+        applied: dict[int, dict] = {}
+        for sid, asked in self._rolling.items():  # asked last beat (a session that left is gone)
+            b = slot_of[sid]
+            capsule = asked.pop("capsule")
+            n = capsule.shape[0]
+            beat.reseed[b] = True
+            beat.capsule[b, :n] = capsule
+            beat.capsule_len[b] = n
+            applied[b] = asked
+            self._context[sid] = n
+        self._rolling = {}
         running = []  # (slot, context, silent frames) of the sessions that run this beat
         for b, sid in enumerate(live):
-            if sid is None or not beat.run[b]:
+            if sid is None or not beat.run[b] or b in applied:
                 continue
             memory = self._memories.get(sid)
             silent = 0 if memory is None else memory.silent_frames()
             running.append((b, self._context.get(sid, 0), silent))
-        rolled: dict[int, dict] = {}
         for b, reason in policy.plan(running):
             sid = live[b]
             memory = self._memories.get(sid)
@@ -517,16 +537,20 @@ class Server:
                     asr_decode=self.asr_decode,
                 )
             n = capsule.shape[0]
-            beat.reseed[b] = True
+            beat.prefill[b] = True
             beat.capsule[b, :n] = capsule
             beat.capsule_len[b] = n
-            rolled[b] = {"reason": reason, "context": self._context.get(sid, 0), "capsule_len": n}
+            self._rolling[sid] = {
+                "reason": reason,
+                "context": self._context.get(sid, 0) + fpt,  # at the roll-over, a beat later
+                "capsule_len": n,
+                "capsule": capsule,
+            }
             self.rollovers += 1
-            self._context[sid] = n
-        for b, _, _ in running:
-            sid = live[b]
-            self._context[sid] = self._context.get(sid, 0) + fpt
-        return rolled
+        for b, sid in enumerate(live):
+            if sid is not None and beat.run[b]:
+                self._context[sid] = self._context.get(sid, 0) + fpt
+        return applied
 
     def _wait_for(self, k: int, last: int | None) -> TickTiming:
         """Collects garbage in the slack before tick k if there is any, then waits for k.
