@@ -769,6 +769,48 @@ def test_late_tick_attributed_to_device_or_host():
     assert "host 3 / device 1" in format_table(s)
 
 
+@pytest.mark.parametrize(
+    ("late", "cause", "stage"),
+    [
+        # A roll-over program launched before the tick: the device stage grows by its work while
+        # the host's dispatch takes what it always takes; the device alone is still in time.
+        ({"dispatch": 0.02, "device": 0.15}, "device", None),
+        ({"prepare": 0.04}, "host", "prepare"),
+        ({"dispatch": 0.06}, "host", "dispatch"),
+        ({"pickup": 0.04}, "host", "pickup"),
+        ({"wake": 0.04}, "host", "wake"),
+        ({"reader": 0.04}, "host", "reader"),
+        ({"gc": 0.04}, "host", "gc"),
+    ],
+)
+def test_late_tick_charged_to_the_stage_that_made_it_late(late, cause, stage):
+    """After steady beats of 20 ms dispatch and 125 ms device work (a 148 ms beat), one beat is
+    made late by one stage: it is charged to that stage, device or host."""
+    rec = MetricsRecorder(warmup_ticks=0, period_s=P)
+    usual = {"dispatch": 0.02, "device": 0.125}
+    for k in range(20):
+        assert not _record(rec, k, _timeline(k * P, **usual)).missed
+    k = 20
+    start = k * P
+    parts = {**usual, **{s: v for s, v in late.items() if s not in ("reader", "gc")}}
+    t = _timeline(start, **parts)
+    if "reader" in late:  # the output was there; the reader came late for it
+        t = dataclasses.replace(
+            t,
+            reader_began=t.ready + late["reader"] - 1e-5,
+            ready=t.ready + late["reader"],
+            readable=t.readable + late["reader"],
+        )
+    if "gc" in late:  # a collection held the GIL inside the device interval
+        t = dataclasses.replace(t, ready=t.ready + late["gc"], readable=t.readable + late["gc"])
+        rec.record_gc([GcPause(t.dispatched + 0.01, t.dispatched + 0.01 + late["gc"], 2, 0, False)])
+    tick = _record(rec, k, t)
+    assert tick.missed
+    assert tick.stages["device"] < P or cause == "host"  # the device alone would have held
+    assert (tick.cause, tick.host_stage) == (cause, stage)
+    assert rec.summary()["missed_by_cause"][cause] == 1
+
+
 def test_skipped_tick_attributed_to_its_cause():
     # Resident loop: the beat thread waits for each beat's device work.
     rec = MetricsRecorder(warmup_ticks=0, period_s=P, beat_waits_for_device=True)

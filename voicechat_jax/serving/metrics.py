@@ -9,12 +9,18 @@ a beat behind) was never produced, so it misses too and has no latency. Ticks, n
 are the independent samples: percentiles and the rule-of-three bound are over ticks.
 
 **Attribution.** Every missed or skipped tick is attributed to the ``device`` or the ``host``
-(``Cause``). A late tick is the device's when the device's share of its latency alone exceeds the
-deadline budget (a perfect host would have missed it too); otherwise the host's work turned an
-in-time device beat into a miss. The device's share is the measured device time less what the host
-is known to have added to it (GC pauses inside the device interval; in the dispatch loop, the time
-the reader thread came late for an output that was already there), plus, in the resident loop, the
-part of the tick's wake lateness that the previous beat's device time forced. A skipped tick is the
+(``Cause``). A late tick is charged to the stage that made it late. It is the device's when the
+device's share of its latency alone exceeds the deadline budget (a perfect host would have missed
+it too). Otherwise each stage is set against what it usually takes (its median over the last
+``recent`` ticks): the stage that ran furthest over its usual made the beat late, and the beat is
+the device's when that stage is the device's own time, the host's (naming the stage) when it is a
+host stage. So the device work of an admission or roll-over program, which the dispatch loop
+launches before the tick and which lengthens the beat's device stage, counts as device, however
+much of the beat the host's usual dispatch took. The device's share is the measured device time
+less what the host is known to have added to it (GC pauses inside the device interval; in the
+dispatch loop, the time the reader thread came late for an output that was already there), plus,
+in the resident loop, the part of the tick's wake lateness that the previous beat's device time
+forced. A skipped tick is the
 device's when a perfect host, ready the moment the previous beat's device work ended, would still
 have woken after the skipped tick's slot. In the dispatch loop the beat thread never waits for the
 device, so its skips are the host's, except the ticks the server skips on purpose because the device
@@ -59,6 +65,7 @@ WARMUP = "warmup"
 STEADY = "steady"
 QUANTILES = {"p50": 50.0, "p99": 99.0, "p99.9": 99.9}
 _WAITED_S = 0.001  # a reader wait shorter than this found the output already there
+_DEVICE_PART = "device"  # the device's own share of a tick, beside the host's stages
 
 
 class Cause(enum.StrEnum):
@@ -298,13 +305,9 @@ class MetricsRecorder:
             else:
                 if timeline is not None:
                     self._timed = True
-                    stages, gc_n, gc_gen, device_bound, host = self._stages(start, timeline)
+                    stages, gc_n, gc_gen, device_bound, parts = self._stages(start, timeline)
                     if missed:
-                        if device_bound > deadline - start:
-                            cause = Cause.DEVICE
-                        else:
-                            cause = Cause.HOST
-                            host_stage = max(host, key=host.get)
+                        cause, host_stage = self._charge(deadline - start, device_bound, parts)
                     self._device_free = start + device_bound
                 elif missed:
                     cause = Cause.UNKNOWN
@@ -382,15 +385,46 @@ class MetricsRecorder:
             "collect": t.collect_s,
             "gc": gc_s,
         }
-        host = {
+        parts = {  # the tick's latency split between the host's stages and the device's own
             "wake": wake - wake_device,
             "prepare": prepare,
             "dispatch": dispatch or 0.0,
             "reader": reader_excess,
             "pickup": pickup,
             "gc": gc_s,
+            _DEVICE_PART: device_own,
         }
-        return stages, gc_n, gc_gen, wake_device + device_own, host
+        return stages, gc_n, gc_gen, wake_device + device_own, parts
+
+    def _charge(
+        self, budget: float, device_bound: float, parts: dict[str, float]
+    ) -> tuple[Cause, str | None]:
+        """The cause of a late tick and, when the host's, its stage (see the module docstring).
+
+        ``parts`` holds this tick's seconds per stage (``_stages``); the usual of each is its
+        median over the recorded ticks in ``recent`` (0 before any), so with no history the
+        largest stage is charged.
+        """
+        if device_bound > budget:
+            return Cause.DEVICE, None
+        usual = self._usual_stages()
+        excess = {s: v - usual.get(s, 0.0) for s, v in parts.items()}
+        worst = max(excess, key=excess.get)
+        if worst == _DEVICE_PART:
+            return Cause.DEVICE, None
+        return Cause.HOST, worst
+
+    def _usual_stages(self) -> dict[str, float]:
+        """Each stage's median seconds over the ticks in ``recent`` that have a timeline."""
+        timed = [r.stages for r in self.recent if r.stages is not None]
+        if not timed:
+            return {}
+        usual = {}
+        for s in ("wake", "prepare", "dispatch", "pickup", "gc", "device"):
+            values = [t[s] for t in timed if t.get(s) is not None]
+            if values:
+                usual[_DEVICE_PART if s == "device" else s] = float(np.median(values))
+        return usual
 
     def _skip_cause(self, start: float) -> Cause:
         if not self._timed:
