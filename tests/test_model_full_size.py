@@ -52,3 +52,29 @@ def test_every_release_key_is_consumed_once_with_its_shape(abstract):
     assert len(table) == 1632
     assert {r.release for r in table} == set(shapes)
     fill(abstract, table, shapes, shapes_only=True)
+
+
+@pytest.mark.parametrize(
+    ("policy", "gb"), [("reference", 1.120), ("bf16_tts_kv_tf32x3_codec", 0.723)]
+)
+def test_frame_step_bytes_at_the_cap(policy, gb):
+    """A slot's bytes per frame-step at the 1,500-frame cap (``engine.frame_step_bytes``): the
+    docs/serving.md §3 arithmetic (141.6 MB of SSM state read and written; 16,384 B of LLM KV and
+    516,096 B of speech-decoder KV a frame, half that in bf16; the encoder's and codec's states),
+    from the template's own shapes."""
+    import jax
+
+    from voicechat_jax.config import ServeConfig
+    from voicechat_jax.engine import byte_floor_ms, frame_step_bytes, template_fn
+    from voicechat_jax.precision import policy as policy_of
+
+    precision = policy_of(policy)
+    serve = ServeConfig(precision=precision, context_frames=1500)
+    params = voicechat.abstract(CFG, precision)
+    template = jax.eval_shape(template_fn(CFG, serve), params)
+    step = frame_step_bytes(template)
+    assert step / 1e9 == pytest.approx(gb, abs=5e-4)
+    tts_kv = 516_096 * 1500 // (1 if policy == "reference" else 2)
+    assert step > 2 * 141_557_760 + 16_384 * 1500 + tts_kv
+    # The floor of a 96-slot beat: two frame-steps of 26.03 GB of weights and 96 slots at 3.7 TB/s.
+    assert byte_floor_ms(26.03e9, step, 96) == pytest.approx(2 * (26.03 + 96 * gb) / 3.7, rel=1e-3)

@@ -15,6 +15,7 @@ says otherwise); a server that should use the whole card sets ``XLA_PYTHON_CLIEN
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 
@@ -79,6 +80,41 @@ class MemoryPlan:
         )
 
 
+COPY_TBPS = 3.7  # an H200's plain device copy (docs/serving.md §3): the floor's bandwidth
+
+
+def _tree_bytes(tree) -> int:
+    """Bytes of every leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``s)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves))
+
+
+def frame_step_bytes(template: voicechat.FrameState) -> int:
+    """Bytes one slot moves in one frame-step with its caches full (``docs/serving.md`` §3).
+
+    Its whole state is read (at the cap every attention reads its whole cache; the SSM, conv,
+    encoder and codec states are read) and its Mamba-2 SSM state is written back; the rows a step
+    appends to its caches are left out. Read from the template's own leaves, so the policy's
+    dtypes count (at the 11B's cap: 1.120 GB with the fp32 speech-decoder cache, 0.723 GB with
+    the bf16 one). ``template``: ``[1, ...]`` leaves, or their ``jax.ShapeDtypeStruct``s.
+    """
+    return _tree_bytes(template) + _tree_bytes(template.llm.ssm)
+
+
+def byte_floor_ms(
+    weight_bytes: int,
+    slot_bytes: int,
+    slots: int,
+    *,
+    frames: int = 2,
+    tbps: float = COPY_TBPS,
+) -> float:
+    """The byte floor of a beat in ms: ``frames`` frame-steps, each reading the weights once
+    (``weight_bytes``) and moving ``slot_bytes`` (``frame_step_bytes``) for each of ``slots``
+    slots, at ``tbps`` TB/s (``docs/serving.md`` §3)."""
+    return frames * (weight_bytes + slots * slot_bytes) / (tbps * 1e9)
+
+
 def _device_memory(device) -> tuple[int | None, int]:
     """(allocator limit, bytes in use) of ``device``; (None, 0) where it reports none (CPU)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -100,13 +136,13 @@ def plan_memory(
     ``limit_bytes`` / ``in_use_bytes`` override what the device reports (tests; a budget smaller
     than the card).
     """
-    per_slot = sum(x.nbytes for x in jax.tree_util.tree_leaves(template))
+    per_slot = _tree_bytes(template)
     per_slot += 1 + 2 * 4  # the live flag and the raw sampling key
     dev_limit, dev_in_use = _device_memory(device or jax.devices()[0])
     limit = dev_limit if limit_bytes is None else limit_bytes
     in_use = dev_in_use if in_use_bytes is None else in_use_bytes
     # Scratch: the tick's share, and one roll-over's capsule prefilled a beat ahead (an LLM state).
-    lane = sum(x.nbytes for x in jax.tree_util.tree_leaves(template.llm))
+    lane = _tree_bytes(template.llm)
     scratch = 0 if limit is None else int(SCRATCH_FRACTION * limit) + lane
     return MemoryPlan(
         slots=slots,

@@ -23,6 +23,7 @@ from absl import app, flags
 
 from experiments.beat_latency import run as beat_latency
 from voicechat_jax import config as config_lib
+from voicechat_jax.engine import byte_floor_ms, frame_step_bytes
 from voicechat_jax.precision import CODEC_MATMUL, policy
 
 FLAGS = flags.FLAGS
@@ -39,7 +40,6 @@ flags.DEFINE_enum(
 )
 
 WEIGHTS_GB = 26.0  # bf16 LLM + fp32 rest, read once per frame-step (docs/serving.md §3)
-SESSION_GB = 1.1  # per session per frame-step at the 1,500-frame cap (docs/serving.md §3)
 
 
 def baseline(params, cfg, precision, template, ticks: int) -> dict:
@@ -92,7 +92,8 @@ def main(argv):
             engine.compile_tick()
             times = beat_latency.tick_times(engine, FLAGS.probe_ticks)
             beat_ms = float(np.median(times))
-            floor_ms = 2 * (WEIGHTS_GB + SESSION_GB * n) / 3.7  # two frame-steps at 3.7 TB/s
+            # Two frame-steps at 3.7 TB/s; a slot's bytes from its state under this policy.
+            floor_ms = byte_floor_ms(WEIGHTS_GB * 1e9, frame_step_bytes(engine.template), n)
             point = {
                 "kind": "probe",
                 **tag,
