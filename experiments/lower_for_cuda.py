@@ -75,7 +75,8 @@ def main(argv):
     samples = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
     beat = state_lib.empty_beat(serve.slots, samples, serve.capsule_tokens)
     with traced_as_gpu():
-        traced = step_lib.make_tick(cfg, serve).trace(params, state, template, beat)
+        masks = state_lib.masks_of(beat)
+        traced = step_lib.make_tick(cfg, serve).trace(params, state, template, beat, masks)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     products = re.findall(r"stablehlo\.dot_general[^\n]*", text)
     kinds = {

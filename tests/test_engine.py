@@ -26,6 +26,7 @@ from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import runner
 from voicechat_jax.serving.server import Engine, Server, SessionPlan, session_key
+from voicechat_jax.slot_rule import SlotRule
 
 CFG = tiny()
 PREC = Precision.fp32()
@@ -214,7 +215,8 @@ def test_inactive_and_held_slots_are_bit_identical(engine, params, how):
         run=np.asarray([True, how != "held", True]),
     )
     tick = jax.jit(functools.partial(step_lib.tick, cfg=CFG, serve=serve))
-    after, out = tick(params, state, engine.template, beat)
+    masks = SlotRule.read(state, engine.template).decide(beat, serve)
+    after, out = tick(params, state, engine.template, beat, masks)
     after = jax.device_get(after)
     for x, y in zip(
         jax.tree_util.tree_leaves(before.model),

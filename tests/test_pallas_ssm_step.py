@@ -256,10 +256,11 @@ def test_tick_reaches_the_kernel_through_serve_config(kernel):
         lambda p: voicechat.initial_state(p, cfg=cfg, precision=prec, max_len=8), params
     )
     state = jax.eval_shape(lambda t: state_lib.from_template(t, serve.slots), template)
-    beat = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state_lib.empty_beat(2, 2 * 1280)
+    beat, masks = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+        (state_lib.empty_beat(2, 2 * 1280), state_lib.masks_of(state_lib.empty_beat(2, 2 * 1280))),
     )
     tick = functools.partial(step_lib.tick, cfg=cfg, serve=serve)
-    text = str(jax.make_jaxpr(tick)(params, state, template, beat))
+    text = str(jax.make_jaxpr(tick)(params, state, template, beat, masks))
     n_mamba = len(cfg.llm.layers_of("M"))
     assert text.count("pallas_call[") == (n_mamba if kernel == "pallas" else 0)

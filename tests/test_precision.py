@@ -88,7 +88,7 @@ def _lowered_tick(precision: Precision) -> str:
     beat = state_lib.empty_beat(SERVE.slots, 2 * 1280)
     return (
         step_lib.make_tick(CFG, dataclasses.replace(SERVE, precision=precision))
-        .lower(params, state, template, beat)
+        .lower(params, state, template, beat, state_lib.masks_of(beat))
         .as_text()
     )
 

@@ -1,9 +1,10 @@
 """The staged dispatch tick (``Engine(staged=True)``, the default on one device).
 
-Admissions and roll-overs run as their own one-slot programs, chosen on the host by
-``step.SlotMirror``, before a tick with no loop whose trip count the device decides. The outputs
-and the state must be those of the one-program tick bit for bit, the mirror must agree with the
-device after every beat, and the compiled programs must have only loops of known trip count.
+Admissions and roll-overs run as their own one-slot programs, chosen by the beat's masks
+(``slot_rule.SlotRule``), before a tick with no loop whose trip count the device decides. The
+outputs and the state must be those of the one-program tick (which admits and rolls over in its
+own masked loops) bit for bit, the rule's copy of the slots must agree with the device after every
+beat, and the compiled programs must have only loops of known trip count.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from voicechat_jax import step as step_lib
 from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.engine import Engine
 from voicechat_jax.precision import Precision
+from voicechat_jax.slot_rule import SlotRule
 
 CFG = tiny()
 PREC = Precision.fp32()
@@ -69,9 +71,9 @@ def _beats(engine: Engine, n: int) -> list:
 
 
 def mirror_agrees(engine: Engine) -> None:
-    """The host's mirror of a staged engine's slots is the device's."""
-    device = step_lib.SlotMirror.read(engine.state, engine.template)
-    mirror = engine.mirror
+    """The slot rule's copy of the engine's slots is the device's."""
+    device = SlotRule.read(engine.state, engine.template)
+    mirror = engine.rule
     np.testing.assert_array_equal(mirror.active, device.active)
     np.testing.assert_array_equal(mirror.llm_length, device.llm_length)
     np.testing.assert_array_equal(mirror.tts_pos, device.tts_pos)
@@ -79,12 +81,15 @@ def mirror_agrees(engine: Engine) -> None:
 
 
 def _pair(params, at_cap: str) -> tuple[Engine, Engine]:
-    """(one-program engine, staged engine) of one configuration, sharing the template."""
+    """(one-program engine, staged engine) of one configuration, sharing the template (the
+    suite's shared engines: ``tests/test_slot_rule.py`` drives the same ones)."""
     serve = ServeConfig(
         slots=3, frames_per_tick=2, context_frames=8, precision=PREC, at_cap=at_cap
     )  # fmt: skip
-    one = Engine(params, CFG, serve, staged=False)
-    return one, Engine(params, CFG, serve, template=one.template)
+    one = shared.engine(serve, staged=False)
+    staged = shared.engine(serve, staged=True)
+    assert one.params is params and one.template is staged.template
+    return one, staged
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +114,7 @@ def test_staged_engine_matches_the_one_program_tick(params, rollover_pair, at_ca
         assert staged.prefilled == ((1,) if k in (1, 8) else ())
         reported["reseeded"] += int(a.reseeded.sum())
         reported["at_cap"] += int(a.at_cap.sum())
-        if k == 6:  # a state set from outside: the mirror is read back from the device
+        if k == 6:  # a state set from outside: the rule's copy is read back from the device
             staged.state = staged.state
     chex.assert_trees_all_equal(jax.device_get(one.state), jax.device_get(staged.state))
     # The script reached what it is for: the host's roll-over, and the cap (each mode's way).

@@ -8,8 +8,8 @@ The names a user starts from::
     Server(engine).run(plans, n_ticks)
 
 ``ModelConfig`` / ``ServeConfig`` and the presets (``config``), the precision policies
-(``precision``), the slot state and the beat's inputs and outputs (``state``), the tick
-(``step``), the device-side ``Engine`` and the host-side ``Server``. The serving modules are
+(``precision``), the slot state and the beat's inputs, masks and outputs (``state``), the slot
+rule that decides each beat's masks on the host (``slot_rule``), the tick (``step``), the device-side ``Engine`` and the host-side ``Server``. The serving modules are
 imported on first use, so ``import voicechat_jax.model`` stays light.
 """
 
@@ -28,6 +28,8 @@ _EXPORTS = {
     "SessionState": "voicechat_jax.state",
     "BeatInput": "voicechat_jax.state",
     "BeatOutput": "voicechat_jax.state",
+    "SlotMasks": "voicechat_jax.state",
+    "SlotRule": "voicechat_jax.slot_rule",
     "tick": "voicechat_jax.step",
     "Engine": "voicechat_jax.engine",
     "Server": "voicechat_jax.serving.server",

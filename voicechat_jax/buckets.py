@@ -34,6 +34,7 @@ from voicechat_jax import step as step_lib
 from voicechat_jax.config import ModelConfig, ServeConfig
 from voicechat_jax.engine import Engine, MemoryPlanError, plan_memory
 from voicechat_jax.model import voicechat
+from voicechat_jax.slot_rule import SlotRule
 
 
 def resize(
@@ -110,8 +111,8 @@ class BucketEngine(Engine):
         starts in the smallest.
       ticks: ticks already compiled for some of the buckets, by slot count: the
         ``compile_tick()`` of an ``Engine(..., staged=False)`` (whose tick admits and rolls over
-        itself) with this ``cfg``, ``serve`` (but for ``slots``), ``params`` and ``template``:
-        one compile saved per bucket (a fixed engine's tick is the largest bucket's).
+        in its own program) with this ``cfg``, ``serve`` (but for ``slots``), ``params`` and
+        ``template``: one compile saved per bucket (a fixed engine's tick is the largest bucket's).
       Others as ``Engine`` (no mesh: the slot axis is not split).
 
     Raises:
@@ -165,12 +166,26 @@ class BucketEngine(Engine):
         self.state = None
         self.bucket = self.buckets[0]
         self.state = self._fresh_state()
+        self._rule = SlotRule.fresh(self.template, self.serve.slots)
+
+    @property
+    def rule(self) -> SlotRule:
+        """The slot rule over the host's ``serve.slots`` slots (read back from the bucket's state
+        if it was set from outside; the slots past the bucket are free)."""
+        if self._rule is None:
+            rule = SlotRule.fresh(self.template, self.serve.slots)
+            read = SlotRule.read(self.state, self.template)
+            for name in ("active", "llm_length", "tts_pos", "tts_frame"):
+                getattr(rule, name)[: self.bucket] = getattr(read, name)
+            self._rule = rule
+        return self._rule
 
     def _abstract_state(self, slots: int):
         return jax.eval_shape(lambda t: state_lib.from_template(t, slots), self.template)
 
-    def _beat(self, slots: int) -> state_lib.BeatInput:
-        return jax.tree_util.tree_map(lambda x: x[:slots], self.empty_beat())
+    def _beat(self, slots: int) -> tuple[state_lib.BeatInput, state_lib.SlotMasks]:
+        """An empty beat and its masks, cut to ``slots`` rows (for lowering)."""
+        return jax.tree_util.tree_map(lambda x: x[:slots], (self.empty_beat(), self.empty_masks()))
 
     def compile_tick(self):
         """Compiles every bucket's tick, the output pads and every resize, once (before the
@@ -187,11 +202,11 @@ class BucketEngine(Engine):
                     self._ticks[b] = self._given[b]
                     reused += 1
                 else:
-                    lowered = jitted.lower(self.params, state_b, self.template, self._beat(b))
+                    lowered = jitted.lower(self.params, state_b, self.template, *self._beat(b))
                     self._ticks[b] = lowered.compile()
                 if b < B:
                     out_b = jax.eval_shape(
-                        jitted, self.params, state_b, self.template, self._beat(b)
+                        jitted, self.params, state_b, self.template, *self._beat(b)
                     )[1]
                     self._pads[b] = pad.lower(out_b).compile()
                 for c in self.buckets:
@@ -217,11 +232,13 @@ class BucketEngine(Engine):
         b = self.bucket
         self.compile_tick()
         tick = self._ticks[b]
+        if b < self.serve.slots and np.any(np.asarray(beat.admit)[b:]):
+            raise ValueError(f"admission past the bucket of {b} slots")
+        rule = self.rule
+        masks = rule.decide(beat, self.serve)
         if b < self.serve.slots:
-            if np.any(np.asarray(beat.admit)[b:]):
-                raise ValueError(f"admission past the bucket of {b} slots")
-            beat = jax.tree_util.tree_map(lambda x: x[:b], beat)
-        self.state, out = tick(self.params, self.state, self.template, beat)
+            beat, masks = jax.tree_util.tree_map(lambda x: x[:b], (beat, masks))
+        self._state, out = tick(self.params, self._state, self.template, beat, masks)
         return self._pads[b](out) if b < self.serve.slots else out
 
     def place(self, plan) -> None:
@@ -234,10 +251,14 @@ class BucketEngine(Engine):
         self.compile_tick()
         src = source_slots(self.bucket, plan.bucket, [(m.src, m.dst) for m in plan.moves])
         t = time.perf_counter()
+        rule = self.rule
         if plan.bucket == self.bucket:  # moves inside one bucket: compiled on first use
-            self.state = _resize(self.state, self.template, src, slots=plan.bucket)
+            self._state = _resize(self._state, self.template, src, slots=plan.bucket)
         else:
-            self.state = self._resizes[(self.bucket, plan.bucket)](self.state, self.template, src)
+            self._state = self._resizes[(self.bucket, plan.bucket)](self._state, self.template, src)
+        host_src = np.full((self.serve.slots,), -1, np.int32)
+        host_src[: plan.bucket] = src
+        rule.move(host_src)
         self.move_s.append(time.perf_counter() - t)
         self.moved_slots += int(np.sum(src >= 0))
         logging.debug("slots %d -> %d, moves %s", self.bucket, plan.bucket, plan.moves)

@@ -29,6 +29,7 @@ from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ModelConfig, ServeConfig
 from voicechat_jax.model import voicechat
+from voicechat_jax.slot_rule import SlotRule
 
 GIB = 2**30
 # Scratch kept free for the tick's activations, cuBLAS/cuDNN workspaces and the beat's I/O, as a
@@ -192,8 +193,8 @@ class Engine:
             (``mesh.put_params``; a given ``template`` is in the one-device layout).
             The dispatch loop only (``compile_resident`` refuses a mesh). Default: one device.
           staged: the dispatch loop runs each beat's admissions and roll-overs as their own
-            one-slot programs, dispatched only for the slots that need them (chosen on the host
-            by a ``step.SlotMirror``), before a tick with no loop whose trip count the device
+            one-slot programs, dispatched only for the slots that need them (the beat's masks),
+            before a tick with no loop whose trip count the device
             decides (``step.make_staged``). On a GPU the tick's call then returns without waiting
             for the device, so the host's dispatch stage measures the host alone. Same outputs
             bit for bit. Default: on one device; a mesh runs the whole tick as one program.
@@ -238,9 +239,9 @@ class Engine:
             raise MemoryPlanError(f"the state does not fit: {self.memory.describe()}")
         logging.info("memory plan: %s", self.memory.describe())
         self.state = self._fresh_state()
-        self._mirror = (
-            step_lib.SlotMirror.fresh(self.template, serve.slots) if self.staged else None
-        )
+        # The slot rule and the host's copy of every slot's fills (None: read back from the
+        # device at the next beat, after the state was set from outside).
+        self._rule: SlotRule | None = SlotRule.fresh(self.template, serve.slots)
         self.samples_per_beat = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
         self._tick = None
         self._staged: step_lib.StagedPrograms | None = None
@@ -262,17 +263,16 @@ class Engine:
     @state.setter
     def state(self, state: state_lib.SessionState | None) -> None:
         # A state set from outside (a benchmark swapping states, the resident loop's result):
-        # the host's mirror of it is read back from the device at the next staged beat.
+        # the slot rule's copy of it is read back from the device at the next beat.
         self._state = state
-        self._mirror = None
+        self._rule = None
         self._lanes = {}
 
     def reset(self) -> None:
         """Every slot back to the fresh template, none live (the compiled tick is kept)."""
         self.state = None  # drop the old state first: two states need not fit side by side
         self.state = self._fresh_state()
-        if self.staged:
-            self._mirror = step_lib.SlotMirror.fresh(self.template, self.serve.slots)
+        self._rule = SlotRule.fresh(self.template, self.serve.slots)
 
     def _fresh_state(self) -> state_lib.SessionState:
         if self.mesh is None:
@@ -289,7 +289,7 @@ class Engine:
         returns the tick's executable."""
         if self._tick is None:
             t = time.perf_counter()
-            args = (self.params, self.state, self.template, self.empty_beat())
+            args = (self.params, self.state, self.template, self.empty_beat(), self.empty_masks())
             if self.staged:
                 staged = step_lib.make_staged(self.cfg, self.serve)
                 slot = jax.ShapeDtypeStruct((), np.int32)
@@ -323,11 +323,22 @@ class Engine:
             _log_compiled("tick", self._tick, self.memory)
         return self._tick
 
+    def empty_masks(self) -> state_lib.SlotMasks:
+        """The masks of ``empty_beat`` on a fresh engine (nothing live, nothing changes): the
+        masks' shapes, for lowering, and a beat that is never run."""
+        return SlotRule.fresh(self.template, self.serve.slots).decide(self.empty_beat(), self.serve)
+
     @property
-    def mirror(self) -> step_lib.SlotMirror | None:
-        """The host's copy of every slot's live flag and fills (staged engines; None while it is
-        to be read back from the device)."""
-        return self._mirror
+    def rule(self) -> SlotRule:
+        """The slot rule with the host's copy of every slot's live flag and fills, as the next
+        beat will find them (read back from the device if the state was set from outside)."""
+        if self._rule is None:
+            self._rule = SlotRule.read(self._state, self.template)
+        return self._rule
+
+    def decide(self, beat: state_lib.BeatInput) -> state_lib.SlotMasks:
+        """The masks of ``beat`` by the slot rule; the rule's copy moves past the beat."""
+        return self.rule.decide(beat, self.serve)
 
     @property
     def stages(self) -> step_lib.StagedPrograms | None:
@@ -374,25 +385,27 @@ class Engine:
     def tick(self, beat: state_lib.BeatInput) -> state_lib.BeatOutput:
         """Dispatches one beat (asynchronously); the state is donated and replaced.
 
+        The slot rule decides the beat's masks on the host (``decide``); the tick applies them.
         Staged: first one admission program per admitted slot and one roll-over program per slot
-        rolled over (the host's requests, and the at-cap fallback that the mirror sees; without
-        a prefill when the capsule is empty), then the tick told which slots were rolled over.
+        rolled over (the host's requests, and the at-cap fallback; without a prefill when the
+        capsule is empty, from the lane when it was prefilled last beat), then the tick.
         """
         tick = self.compile_tick()
-        if self.mesh is not None:
-            beat = mesh_lib.put_beat(beat, self.mesh)  # each device gets its slots' rows
+        rule = self.rule
+        self._rule = None  # until every program of the beat is dispatched
+        masks = rule.decide(beat, self.serve)
         if not self.staged:
-            self._state, out = tick(self.params, self._state, self.template, beat)
+            if self.mesh is not None:  # each device gets its slots' rows
+                beat, masks = mesh_lib.put_beat((beat, masks), self.mesh)
+            self._state, out = tick(self.params, self._state, self.template, beat, masks)
+            self._rule = rule
             return out
-        mirror = self._mirror or step_lib.SlotMirror.read(self._state, self.template)
-        self._mirror = None  # until every program of the beat is dispatched
-        admitted, rolled, capsule_len = mirror.stage(beat, self.serve)
         programs = self._staged
         lanes, self._lanes = self._lanes, {}
-        for b in admitted:
+        for b in np.flatnonzero(masks.admit):
             self._state = programs.admit(self._state, self.template, np.int32(b))
-        for b in np.flatnonzero(rolled):
-            n = int(capsule_len[b])
+        for b in np.flatnonzero(masks.rolled):
+            n = int(masks.capsule_len[b])
             if n == 0:  # nothing to prefill: the template's LLM state as it is
                 self._state = programs.restart(self._state, self.template, np.int32(b))
             elif (lane := lanes.get(b)) is not None and lane.holds(beat.capsule[b, :n]):
@@ -401,10 +414,8 @@ class Engine:
                 self._state = programs.reseed(
                     self.params, self._state, self.template, np.int32(b), beat.capsule[b], n
                 )
-        self._state, out = tick(
-            self.params, self._state, self.template, beat.replace(reseed=rolled)
-        )
-        self._mirror = mirror
+        self._state, out = tick(self.params, self._state, self.template, beat, masks)
+        self._rule = rule
         # Next beat's roll-overs: their capsules prefilled now, behind the tick on the device.
         for b in np.flatnonzero(np.asarray(beat.prefill) & (np.asarray(beat.capsule_len) > 0)):
             n = int(beat.capsule_len[b])
@@ -441,19 +452,23 @@ class Engine:
         t = time.perf_counter()
 
         def next_or_stop(i):
+            # The host's next beat, and its masks by the slot rule (on the callback thread).
             rest = self._warming_resident
             if rest is not None:
-                if rest:
-                    return rest.pop(0), np.asarray(False)
-                return self.empty_beat(), np.asarray(True)
-            return self._resident_host[0](i)
+                beat, stop = (rest.pop(0), False) if rest else (self.empty_beat(), True)
+            else:
+                beat, stop = self._resident_host[0](i)
+            if stop:  # never run: masks that move nothing
+                return beat, self.empty_masks(), np.asarray(True)
+            return beat, self.decide(beat), np.asarray(False)
 
         def deliver_unless_warming(i, out):
             if self._warming_resident is None:
                 self._resident_host[1](i, out)
 
         fn = step_lib.make_resident(self.cfg, self.serve, next_or_stop, deliver_unless_warming)
-        compiled = fn.lower(self.params, self.state, self.template, self.empty_beat()).compile()
+        args = (self.params, self.state, self.template, self.empty_beat(), self.empty_masks())
+        compiled = fn.lower(*args).compile()
         self.compile_s = time.perf_counter() - t
         _log_compiled("resident loop", compiled, self.memory)
         self._resident = compiled
@@ -480,8 +495,10 @@ class Engine:
         return time.perf_counter() - t
 
     def run_resident(self, compiled, first_beat: state_lib.BeatInput) -> None:
-        """Runs the whole serving run as one on-device loop; the state is donated and replaced."""
-        self.state = compiled(self.params, self.state, self.template, first_beat)
+        """Runs the whole serving run as one on-device loop; the state is donated and replaced.
+        Each beat's masks are the slot rule's, decided on the host (the first one here)."""
+        masks = self.decide(first_beat)
+        self.state = compiled(self.params, self.state, self.template, first_beat, masks)
         jax.block_until_ready(self.state)
 
 

@@ -239,8 +239,9 @@ def put_template(template: voicechat.FrameState, cfg: ModelConfig, mesh: Mesh):
     return template.replace(llm=jax.jit(fn, out_shardings=specs)(template.llm))
 
 
-def put_beat(beat: state_lib.BeatInput, mesh: Mesh) -> state_lib.BeatInput:
-    """The beat's leaves (NumPy, slot axis first) split over ``data``: each device gets its rows."""
+def put_beat(beat, mesh: Mesh):
+    """The beat's leaves (a ``BeatInput``, its ``SlotMasks``, or both; NumPy, slot axis first)
+    split over ``data``: each device gets its rows."""
     return jax.device_put(beat, slot_sharding(mesh))
 
 
@@ -277,13 +278,14 @@ def _state_builder(slots: int, mesh: Mesh, treedef, specs: tuple[P, ...]) -> Cal
 
 
 def make_tick(cfg: ModelConfig, serve: ServeConfig, mesh: Mesh) -> Callable:
-    """The tick over ``mesh``: ``tick(params, state, template, beat)``, argument 1 donated.
+    """The tick over ``mesh``: ``tick(params, state, template, beat, masks)``, argument 1 donated.
 
     Each device runs ``step.tick`` on its ``B / n`` slots with the replicated weights and
     template; on a 1-D ``data`` mesh nothing crosses between devices. On a ``(data, model)``
     mesh each device runs it with ``local_config``'s LLM (its share of the heads), adding the
     row-parallel partial sums over its ``model`` group. Arguments must already be placed
-    (``put_params``, ``put_template``, ``state_from_template``, ``put_beat``); the outputs are
+    (``put_params``, ``put_template``, ``state_from_template``, ``put_beat`` for the beat and its
+    masks); the outputs are
     slot-sharded, the state as it came in.
 
     Raises:
@@ -292,11 +294,11 @@ def make_tick(cfg: ModelConfig, serve: ServeConfig, mesh: Mesh) -> Callable:
     check_slots(serve.slots, mesh)
     local = local_config(cfg, serve, mesh)
 
-    def tick(params, state, template, beat):  # the name step.CompileCounter("tick") counts
+    def tick(params, state, template, beat, masks):  # step.CompileCounter("tick") counts it
         with serve.precision.scope():
-            return step_lib.tick(params, state, template, beat, cfg=local, serve=serve)
+            return step_lib.tick(params, state, template, beat, masks, cfg=local, serve=serve)
 
-    specs = (param_specs(mesh), state_specs(cfg, mesh), template_specs(cfg, mesh), P(DATA))
+    specs = (param_specs(mesh), state_specs(cfg, mesh), template_specs(cfg, mesh), P(DATA), P(DATA))
     per_device = shard_map(tick, mesh=mesh, in_specs=specs, out_specs=(specs[1], P(DATA)))
     shardings = _named(specs, mesh)
     return jax.jit(

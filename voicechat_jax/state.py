@@ -18,8 +18,8 @@ lies (the state is donated; every update masks itself by the slots that run):
 - small leaves (encoder caches ~7 MB, the Mamba conv state stacked as [B, L_m, k-1, C], RNNT,
   codec tails, previous tokens and codes, counters), each documented in its module.
 
-The beat's inputs and outputs (``BeatInput``, ``BeatOutput``) are the only arrays that cross between
-host and device per beat.
+The beat's inputs and outputs (``BeatInput``, its ``SlotMasks``, ``BeatOutput``) are the only
+arrays that cross between host and device per beat.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ class SessionState:
 
 @struct.dataclass
 class BeatInput:
-    """What the host drops in for one beat (a scheduler decides ``run`` and ``reseed``)."""
+    """What the host asks of one beat (a scheduler decides ``run`` and ``reseed``); the slot rule
+    turns it into the beat's ``SlotMasks``, and the tick reads only ``audio``, ``key`` and
+    ``capsule`` of it beside them."""
 
     audio: jax.Array  # [B, frames_per_tick * 1280] float32, 16 kHz; silence where nothing arrived
     admit: jax.Array  # [B] bool: copy the fresh-session template into these slots first
@@ -56,6 +58,22 @@ class BeatInput:
     # [B] bool: these sessions will be in ``reseed`` next beat with the capsule given here; an
     # engine that can prefills it after this beat's tick, in its slack (``step.CapsuleLane``).
     prefill: jax.Array
+
+
+@struct.dataclass
+class SlotMasks:
+    """What the slot rule decided for one beat (``slot_rule.SlotRule.decide``): the tick applies
+    these and decides nothing itself."""
+
+    admit: jax.Array  # [B] bool: the fresh-session template is written into these slots first
+    # [B] bool: these sessions roll over to a fresh context before the beat (the host's
+    # roll-overs, and every live slot at the cap unless ``at_cap='end'``)
+    rolled: jax.Array
+    capsule_len: jax.Array  # [B] int32: a rolled slot's capsule length (0: the system prompt alone)
+    live: jax.Array  # [B] bool: live in the beat (released and admitted slots applied)
+    ran: jax.Array  # [B] bool: the slots that advance (a live slot outside it stays bit-identical)
+    active: jax.Array  # [B] bool: live after the beat
+    at_cap: jax.Array  # [B] bool: live, not rolled over, and with no room: ended at the cap
 
 
 @struct.dataclass
@@ -83,6 +101,17 @@ def empty_beat(slots: int, samples: int, capsule_tokens: int = 96) -> BeatInput:
         capsule=np.zeros((slots, capsule_tokens), np.int32),
         capsule_len=np.zeros((slots,), np.int32),
         prefill=np.zeros((slots,), np.bool_),
+    )
+
+
+def masks_of(beat: BeatInput) -> SlotMasks:
+    """Benchmarks and kernel tests that step every slot of a fresh state: the masks of ``beat``
+    when every slot it runs is live with room, i.e. ``run`` live, nothing admitted or rolled."""
+    run = np.asarray(beat.run, np.bool_)
+    none = np.zeros_like(run)
+    zero = np.zeros(run.shape, np.int32)
+    return SlotMasks(
+        admit=none, rolled=none, capsule_len=zero, live=run, ran=run, active=run, at_cap=none
     )
 
 

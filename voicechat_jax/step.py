@@ -1,19 +1,21 @@
 """The tick: one beat for every slot, pure and jitted once; and the two ways to drive it.
 
-``tick(params, state, template, beat)`` admits and releases sessions (the fresh-session template
-written into each admitted slot in place), advances every slot by ``frames_per_tick`` frames, and
-keeps inactive slots bit-identical: every update masks itself, nothing selects between two whole
-states, so the donated state is updated where it lies. Both drivers call the same tick, so they
-produce the same outputs bit for bit:
+``tick(params, state, template, beat, masks)`` applies what the host's slot rule decided for the
+beat (``slot_rule.SlotRule``: which slots are admitted, rolled over, run, end): the fresh-session
+template written into each admitted slot in place, the rolled-over slots re-seeded, the running
+slots advanced by ``frames_per_tick`` frames, every other slot kept bit-identical: every update
+masks itself, nothing selects between two whole states, so the donated state is updated where it
+lies. The tick decides nothing. Both drivers call the same tick, so they produce the same outputs
+bit for bit:
 
 - ``resident_loop``: one jitted ``lax.while_loop`` for the whole serving run. Each iteration takes
-  the beat's input from the host and hands the beat's output back through ordered ``io_callback``s;
-  the host decides when to stop.
+  the beat's input and masks from the host and hands the beat's output back through ordered
+  ``io_callback``s; the host decides when to stop.
 - dispatch (``make_tick``): one donated jitted call per beat; the host reads beat k's output while
   beat k+1 runs (``serving.server``).
 
 On one device the dispatch loop stages the tick (``make_staged``, ``Engine(staged=True)``): the
-beat's admissions and roll-overs, chosen on the host by ``SlotMirror``, run first as one-slot
+beat's admissions and roll-overs, in the masks, run first as one-slot
 programs (``admit_slot``, ``reseed_slot``), and the tick proper (``tick(..., staged=True)``) has
 only loops whose trip count the compiler knows. On a GPU, XLA runs a loop of unknown trip count
 by copying its predicate to the host every iteration, so a call with one returns only when the
@@ -36,7 +38,7 @@ from jax.experimental import io_callback
 
 from voicechat_jax.config import PAD_ID, ModelConfig, ServeConfig
 from voicechat_jax.model import nano, voicechat
-from voicechat_jax.state import BeatInput, BeatOutput, SessionState
+from voicechat_jax.state import BeatInput, BeatOutput, SessionState, SlotMasks
 
 # jax.monitoring's event for each XLA compilation (its ``fun_name`` names the jitted function).
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -249,83 +251,71 @@ def hold_full(model: voicechat.FrameState, fpt: int, mask: jax.Array) -> voicech
     return model.replace(llm=llm, tts=tts)
 
 
-def has_room(model: voicechat.FrameState, fpt: int) -> jax.Array:
-    """[B] bool: both attention caches have room for another beat of ``fpt`` frames."""
-    llm_room = model.llm.length + fpt <= model.llm.k[0].shape[2]
-    tts_room = model.tts.pos + fpt <= model.tts.k[0].shape[3]
-    return llm_room & tts_room
-
-
 def tick(
     params,
     state: SessionState,
     template: voicechat.FrameState,
     beat: BeatInput,
+    masks: SlotMasks,
     *,
     cfg: ModelConfig,
     serve: ServeConfig,
     staged: bool = False,
     lane: CapsuleLane | None = None,
 ) -> tuple[SessionState, BeatOutput]:
-    """Advance every slot by one beat, in place. Donates ``state`` when jitted (``make_tick``).
+    """Advance every slot by one beat as ``masks`` says, in place. Donates ``state`` when jitted
+    (``make_tick``).
 
     Args:
       params: ``voicechat.ModelParams``.
       state: all slots, ``[B, ...]``.
       template: the fresh-session state, ``[1, ...]`` leaves.
-      beat: the host's input for this beat.
+      beat: the host's input for this beat; only ``audio``, ``key`` (of the admitted slots) and
+        ``capsule`` (of the rolled ones) are read.
+      masks: the beat's decisions (``slot_rule.SlotRule.decide``): the tick decides nothing.
 
     Returns:
-      The new state and the beat's outputs. A slot that is inactive, held (``beat.run`` off), or
-      would pass the context cap (``at_cap='end'``: the session ends) does not advance and its
-      state is returned bit-identical. A slot in ``beat.reseed`` rolls over first (``reseed``,
-      with its capsule); with ``at_cap='rollover'`` a session at the cap that the host did not
-      roll over rolls over with an empty capsule. No select over the whole state: admission
+      The new state and the beat's outputs. The slots in ``masks.admit`` get the template, those
+      in ``masks.rolled`` roll over first (``reseed``, each with its capsule), ``hold_full``
+      (benchmarks) fills the live slots' caches, and the slots in ``masks.ran`` advance; every
+      other slot's state is returned bit-identical. No select over the whole state: admission
       writes the template into the admitted slots, and every update in ``voicechat.advance``
       masks itself by the slots that run.
 
       ``staged``: the admissions and roll-overs of the beat already ran as their own programs
-      (``make_staged``: ``admit_slot``, ``reseed_slot``, chosen by the host's ``SlotMirror``,
-      the at-cap fallback included), so this tick has no loop whose trip count the device
-      decides: on a GPU its call returns without waiting for the device. ``beat.reseed`` then
-      says which slots were rolled over.
+      (``make_staged``: ``admit_slot``, ``reseed_slot``), so this tick has no loop whose trip
+      count the device decides: on a GPU its call returns without waiting for the device.
 
       ``lane``: a capsule prefilled after the last beat's tick (``CapsuleLane``; the resident
       loop's): the roll-over it is for takes its state instead of prefilling here.
       ``beat.prefill`` is not read here (the drivers prefill lanes after the tick).
     """
     fpt = serve.frames_per_tick
-    active = (state.active & ~beat.release) | beat.admit
-    key = jnp.where(beat.admit[:, None], beat.key, state.key)
+    key = jnp.where(masks.admit[:, None], beat.key, state.key)
     model = state.model
-    reseeded = active & beat.reseed
     if not staged:
-        model = insert(model, template, beat.admit)
-        at_cap = active & ~has_room(model, fpt)
-        capsule_len = jnp.where(reseeded, beat.capsule_len, 0)
-        if serve.at_cap != "end":  # 'rollover'; the host-driven 'reset' / 'memory' as a fallback
-            # A session at the cap that the host did not roll over itself goes on from the system
-            # prompt alone; it keeps its key, its streams and its audio.
-            reseeded = reseeded | at_cap
+        model = insert(model, template, masks.admit)
         model = reseed(
-            params, model, template, reseeded, beat.capsule, capsule_len, cfg=cfg, lane=lane
+            params,
+            model,
+            template,
+            masks.rolled,
+            beat.capsule,
+            masks.capsule_len,
+            cfg=cfg,
+            lane=lane,
         )
-    # At the cap and not rolled over: the session ends (``at_cap='end'``).
-    at_cap = active & ~has_room(model, fpt) & ~reseeded
     if serve.hold_full:
-        model = hold_full(model, fpt, active)
-    room = has_room(model, fpt)
-    ran = active & room & beat.run
-    active = active & room
+        model = hold_full(model, fpt, masks.live)
     # 'auto' kernels for the backend traced for and the slots this program runs (a bucket's, or
     # one device's under a mesh).
-    serve = serve.resolved(slots=active.shape[0])
+    serve = serve.resolved(slots=masks.ran.shape[0])
     model, frames = voicechat.advance(
         params,
         model,
         beat.audio,
         key,
-        ran,
+        masks.ran,
         cfg=cfg,
         precision=serve.precision,
         deterministic=serve.deterministic,
@@ -334,13 +324,17 @@ def tick(
         ssm_kernel=serve.ssm_kernel,
         projection=serve.projection,
     )
+    # A slot live after the beat was live before it or admitted: computed from the state's own
+    # flags, ``active`` is written where they lie (an unread donated input would be dropped
+    # from the program, and its buffer with it).
+    active = masks.active & (state.active | masks.admit)
     new_state = SessionState(model=model, active=active, key=key)
     out = BeatOutput(
         frames=frames,
-        ran=ran,
+        ran=masks.ran,
         active=active,
-        at_cap=at_cap,
-        reseeded=reseeded,
+        at_cap=masks.at_cap,
+        reseeded=masks.rolled,
         frame=model.frame,
     )
     return new_state, out
@@ -359,7 +353,7 @@ class StagedPrograms:
     capsule_len)``, ``restart(state, template, slot)`` (a roll-over with an empty capsule) and
     ``swap(state, template, slot, llm)`` (a roll-over to a lane's prefilled LLM state) touch one
     slot, donate the state and are dispatched only for the slots that need them, before
-    ``tick(params, state, template, beat)`` (``tick`` with ``staged=True``). ``lane(params,
+    ``tick(params, state, template, beat, masks)`` (``tick`` with ``staged=True``). ``lane(params,
     template, capsule, capsule_len, slot)`` prefills a capsule the host will ask for next beat
     (``prefill_lane``), dispatched after the tick. None of them has a loop whose trip count the
     device decides.
@@ -386,82 +380,6 @@ def make_staged(cfg: ModelConfig, serve: ServeConfig) -> StagedPrograms:
     )
 
 
-class SlotMirror:
-    """What the host knows of every slot without asking the device: whether it is live, how full
-    its two attention caches are, and the speech decoder's frame count, as ``tick`` leaves them.
-
-    ``stage(beat)`` applies ``tick``'s rules for admission, release, the context cap and
-    roll-over (``at_cap``, ``hold_full``) to these NumPy arrays, so the host can dispatch the
-    admissions and roll-overs of a beat as their own programs and the tick itself needs no loop
-    whose trip count the device decides. Kept by ``Engine`` beside its state (read back from the
-    device when the state was replaced from outside).
-    """
-
-    def __init__(self, active, llm_length, tts_pos, tts_frame, template: voicechat.FrameState):
-        self.active = np.array(active, np.bool_)
-        self.llm_length = np.array(llm_length, np.int32)
-        self.tts_pos = np.array(tts_pos, np.int32)
-        # The speech decoder skips its first frame (frame 0), which stores nothing in its cache.
-        self.tts_frame = np.array(tts_frame, np.int32)
-        self.fresh_llm = int(np.asarray(template.llm.length)[0])
-        self.fresh_tts = int(np.asarray(template.tts.pos)[0])
-        self.fresh_frame = int(np.asarray(template.tts.frame)[0])
-        self.llm_rows = template.llm.k[0].shape[2]
-        self.tts_rows = template.tts.k[0].shape[3]
-
-    @classmethod
-    def fresh(cls, template: voicechat.FrameState, slots: int) -> SlotMirror:
-        """A new engine's slots: none live, every one holding the template."""
-        t = template
-        llm, tts = np.asarray(t.llm.length), np.asarray(t.tts.pos)
-        frame = np.asarray(t.tts.frame)
-        return cls(np.zeros(slots, bool), *(np.repeat(x, slots) for x in (llm, tts, frame)), t)
-
-    @classmethod
-    def read(cls, state: SessionState, template: voicechat.FrameState) -> SlotMirror:
-        """The mirror of ``state`` as it is on the device (waits for it)."""
-        m = state.model
-        arrays = (state.active, m.llm.length, m.tts.pos, m.tts.frame)
-        return cls(*(np.asarray(x) for x in arrays), template)
-
-    def _room(self, fpt: int) -> np.ndarray:
-        return (self.llm_length + fpt <= self.llm_rows) & (self.tts_pos + fpt <= self.tts_rows)
-
-    def stage(
-        self, beat: BeatInput, serve: ServeConfig
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The beat's work before its tick, and the mirror moved past the tick.
-
-        Returns ``(admitted, rolled, capsule_len)``: the slots to admit, the slots to roll over
-        (the host's requests on live slots and, unless ``at_cap='end'``, every live slot at the
-        cap), and each slot's capsule length (0 for a fallback roll-over). ``rolled`` as a mask is
-        the ``reseed`` the staged tick gets.
-        """
-        fpt = serve.frames_per_tick
-        admit, reseed = np.asarray(beat.admit, bool), np.asarray(beat.reseed, bool)
-        active = (self.active & ~np.asarray(beat.release, bool)) | admit
-        self.llm_length[admit] = self.fresh_llm
-        self.tts_pos[admit] = self.fresh_tts
-        self.tts_frame[admit] = self.fresh_frame
-        rolled = active & reseed
-        capsule_len = np.where(rolled, np.asarray(beat.capsule_len, np.int32), 0)
-        if serve.at_cap != "end":
-            rolled |= active & ~self._room(fpt)
-        self.llm_length[rolled] = self.fresh_llm + capsule_len[rolled]
-        self.tts_pos[rolled] = self.fresh_tts
-        self.tts_frame[rolled] = 1  # a rolled-over voice goes on: no skipped frame
-        if serve.hold_full:
-            self.llm_length[active] = self.llm_rows - fpt
-            self.tts_pos[active] = self.tts_rows - fpt
-        active &= self._room(fpt)
-        ran = active & np.asarray(beat.run, bool)
-        self.llm_length += fpt * ran
-        self.tts_pos += ran * (fpt - (self.tts_frame == 0))  # frame 0 stores nothing
-        self.tts_frame += fpt * ran
-        self.active = active
-        return np.flatnonzero(admit), rolled, capsule_len
-
-
 def _in_scope(fn: Callable, *, precision=None, **kw) -> Callable:
     """``fn`` with ``kw`` bound, traced inside ``precision``'s matmul scope (default:
     ``kw["serve"].precision``)."""
@@ -480,6 +398,7 @@ def resident_loop(
     state: SessionState,
     template: voicechat.FrameState,
     first_beat: BeatInput,
+    first_masks: SlotMasks,
     *,
     next_beat: Callable[[np.ndarray], tuple],
     deliver: Callable[..., None],
@@ -488,18 +407,19 @@ def resident_loop(
 ) -> SessionState:
     """Run ticks on the device until the host says stop; returns the final state.
 
-    ``next_beat(k) -> (beat, stop)`` gives beat k+1's input (a ``BeatInput`` of NumPy arrays);
+    ``next_beat(k) -> (beat, masks, stop)`` gives beat k+1's input and masks (a ``BeatInput`` and
+    the ``SlotMasks`` the host's rule decided for it, NumPy arrays);
     ``deliver(k, out)`` receives beat k's ``BeatOutput`` with NumPy leaves. Both run on the host
     through ordered ``io_callback``s: the device waits for them, and they never call JAX.
     """
-    beat_struct = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), first_beat
+    beat_struct, masks_struct = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (first_beat, first_masks)
     )
     stop_struct = jax.ShapeDtypeStruct((), jnp.bool_)
 
     def body(carry):
-        k, s, beat, _, lane = carry
-        s, out = tick(params, s, template, beat, cfg=cfg, serve=serve, lane=lane)
+        k, s, beat, masks, _, lane = carry
+        s, out = tick(params, s, template, beat, masks, cfg=cfg, serve=serve, lane=lane)
         leaves, treedef = jax.tree_util.tree_flatten(out)
 
         def deliver_host(kk, *host_leaves):
@@ -513,22 +433,23 @@ def resident_loop(
         # the host (the token orders it after ``deliver``) and before the host's wait for the
         # next beat (its length is an operand of ``next_beat``'s callback): in the beat's slack.
         lane = _next_lane(params, template, beat, lane, token, cfg=cfg)
-        nb, stop = io_callback(
+        nb, nm, stop = io_callback(
             lambda kk, _tok, _lane: next_beat(int(kk)),
-            (beat_struct, stop_struct),
+            (beat_struct, masks_struct, stop_struct),
             k,
             token,
             lane.n,
             ordered=True,
         )
-        return k + 1, s, nb, stop, lane
+        return k + 1, s, nb, nm, stop, lane
 
     def cond(carry):
-        return ~carry[3]
+        return ~carry[4]
 
     lane = CapsuleLane.empty(template, first_beat.capsule.shape[1])
-    carry = (jnp.zeros((), jnp.int32), state, first_beat, jnp.zeros((), jnp.bool_), lane)
-    _, state, _, _, _ = jax.lax.while_loop(cond, body, carry)
+    stop = jnp.zeros((), jnp.bool_)
+    carry = (jnp.zeros((), jnp.int32), state, first_beat, first_masks, stop, lane)
+    _, state, _, _, _, _ = jax.lax.while_loop(cond, body, carry)
     return state
 
 

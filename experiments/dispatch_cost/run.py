@@ -30,6 +30,7 @@ from absl import app, flags
 
 from experiments.beat_latency import run as beat_latency
 from voicechat_jax import config as config_lib
+from voicechat_jax import state as state_lib
 from voicechat_jax.precision import policy
 
 FLAGS = flags.FLAGS
@@ -64,12 +65,13 @@ def time_tick(engine, program, ticks: int) -> dict:
     beat.admit[:] = True
     jax.block_until_ready(engine.tick(beat))  # every slot live
     plain = engine.empty_beat()
+    masks = state_lib.masks_of(plain)  # every slot live with room: what the rule decides
     raw_call, raw_ready, call, ready = [], [], [], []
     for _ in range(ticks):
         state = engine.state
         engine.state = None
         t0 = time.perf_counter()
-        state, out = program(engine.params, state, engine.template, plain)
+        state, out = program(engine.params, state, engine.template, plain, masks)
         t1 = time.perf_counter()
         jax.block_until_ready(out)
         t2 = time.perf_counter()

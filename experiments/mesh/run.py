@@ -42,6 +42,7 @@ from voicechat_jax.engine import Engine
 from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving.server import Server, SessionPlan
+from voicechat_jax.slot_rule import SlotRule
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "tiny", "Preset: tiny | voicechat_11b.")
@@ -128,12 +129,14 @@ def run_resident(engine: Engine, beats, *, per_device: bool) -> tuple[dict, np.n
     got: dict[tuple[int, int], object] = {}
     n_dev = 1 if mesh is None else mesh.shape[mesh_lib.DATA]
     rows = serve.slots // n_dev if per_device else serve.slots
+    rule = SlotRule.fresh(engine.template, serve.slots)  # the script's masks, decided up front
+    decided = [(b, rule.decide(b, serve)) for b in beats]
 
     def next_beat(k: int, d: int = 0):
-        b = beats[min(k + 1, n - 1)]
+        b, m = decided[min(k + 1, n - 1)]
         if per_device:
-            b = jax.tree_util.tree_map(lambda x: x[d * rows : (d + 1) * rows], b)
-        return b, np.asarray(k + 1 >= n)
+            b, m = jax.tree_util.tree_map(lambda x: x[d * rows : (d + 1) * rows], (b, m))
+        return b, m, np.asarray(k + 1 >= n)
 
     def deliver(k: int, out, d: int = 0):
         with lock:
@@ -144,10 +147,11 @@ def run_resident(engine: Engine, beats, *, per_device: bool) -> tuple[dict, np.n
     t = time.perf_counter()
     if mesh is None:
         fn = step_lib.make_resident(cfg, serve, next_beat, deliver)
-        args = (engine.params, engine.state, engine.template, beats[0])
+        args = (engine.params, engine.state, engine.template, *decided[0])
     else:
         fn = _mesh_resident(engine, next_beat, deliver, per_device=per_device, rows=rows)
-        args = (engine.params, engine.state, engine.template, mesh_lib.put_beat(beats[0], mesh))
+        first = mesh_lib.put_beat(decided[0], mesh)
+        args = (engine.params, engine.state, engine.template, *first)
     compiled = fn.lower(*args).compile()
     row = {"compile_s": round(time.perf_counter() - t, 2)}
     row["collectives"] = mesh_lib.collectives(compiled.as_text())
@@ -163,13 +167,13 @@ def run_resident(engine: Engine, beats, *, per_device: bool) -> tuple[dict, np.n
 def _mesh_resident(engine: Engine, next_beat, deliver, *, per_device: bool, rows: int):
     """``step.resident_loop``'s shape over a mesh: global callbacks, or one loop per device."""
     cfg, serve, precision, mesh = engine.cfg, engine.serve, engine.precision, engine.mesh
-    beat_struct = _beat_struct(engine.empty_beat(), rows)
+    beat_struct = _beat_struct((engine.empty_beat(), engine.empty_masks()), rows)
     stop_struct = jax.ShapeDtypeStruct((), jnp.bool_)
 
-    def local_tick(params, s, template, beat):
-        return step_lib.tick(params, s, template, beat, cfg=cfg, serve=serve)
+    def local_tick(params, s, template, beat, masks):
+        return step_lib.tick(params, s, template, beat, masks, cfg=cfg, serve=serve)
 
-    specs = (P(), P(mesh_lib.DATA), P(), P(mesh_lib.DATA))
+    specs = (P(), P(mesh_lib.DATA), P(), P(mesh_lib.DATA), P(mesh_lib.DATA))
     tick = (
         local_tick
         if per_device
@@ -178,12 +182,12 @@ def _mesh_resident(engine: Engine, next_beat, deliver, *, per_device: bool, rows
         )
     )
 
-    def loop(params, state, template, first_beat):
+    def loop(params, state, template, first_beat, first_masks):
         d = jax.lax.axis_index(mesh_lib.DATA) if per_device else jnp.zeros((), jnp.int32)
 
         def body(carry):
-            k, s, beat, _ = carry
-            s, out = tick(params, s, template, beat)
+            k, s, beat, masks, _ = carry
+            s, out = tick(params, s, template, beat, masks)
             leaves, treedef = jax.tree_util.tree_flatten(out)
 
             def deliver_host(kk, dd, *host_leaves):
@@ -193,18 +197,19 @@ def _mesh_resident(engine: Engine, next_beat, deliver, *, per_device: bool, rows
             token = io_callback(
                 deliver_host, jax.ShapeDtypeStruct((), jnp.int32), k, d, *leaves, ordered=True
             )
-            nb, stop = io_callback(
+            nb, nm, stop = io_callback(
                 lambda kk, dd, _tok: next_beat(int(kk), int(dd)),
-                (beat_struct, stop_struct),
+                (*beat_struct, stop_struct),
                 k,
                 d,
                 token,
                 ordered=True,
             )
-            return k + 1, s, nb, stop
+            return k + 1, s, nb, nm, stop
 
-        carry = (jnp.zeros((), jnp.int32), state, first_beat, jnp.zeros((), jnp.bool_))
-        return jax.lax.while_loop(lambda c: ~c[3], body, carry)[1]
+        stop = jnp.zeros((), jnp.bool_)
+        carry = (jnp.zeros((), jnp.int32), state, first_beat, first_masks, stop)
+        return jax.lax.while_loop(lambda c: ~c[4], body, carry)[1]
 
     if per_device:
         loop = mesh_lib.shard_map(loop, mesh=mesh, in_specs=specs, out_specs=P(mesh_lib.DATA))
@@ -215,7 +220,10 @@ def _mesh_resident(engine: Engine, next_beat, deliver, *, per_device: bool, rows
             return loop(*args)
 
     return jax.jit(
-        scoped, in_shardings=(rep, slots, rep, slots), out_shardings=slots, donate_argnums=(1,)
+        scoped,
+        in_shardings=(rep, slots, rep, slots, slots),
+        out_shardings=slots,
+        donate_argnums=(1,),
     )
 
 
@@ -229,9 +237,14 @@ def gspmd_collectives(engine: Engine) -> dict:
             return fn(*args)
 
     rep, slots = mesh_lib.replicated(mesh), mesh_lib.slot_sharding(mesh)
-    jitted = jax.jit(scoped, in_shardings=(rep, slots, rep, slots), out_shardings=(slots, slots))
+    jitted = jax.jit(
+        scoped, in_shardings=(rep, slots, rep, slots, slots), out_shardings=(slots, slots)
+    )
     t = time.perf_counter()
-    compiled = jitted.lower(engine.params, engine.state, engine.template, engine.empty_beat())
+    beat = engine.empty_beat()
+    compiled = jitted.lower(
+        engine.params, engine.state, engine.template, beat, engine.empty_masks()
+    )
     compiled = compiled.compile()
     return {
         "compile_s": round(time.perf_counter() - t, 2),
