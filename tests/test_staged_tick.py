@@ -88,7 +88,8 @@ def _pair(params, at_cap: str) -> tuple[Engine, Engine]:
     )  # fmt: skip
     one = shared.engine(serve, staged=False)
     staged = shared.engine(serve, staged=True)
-    assert one.params is params and one.template is staged.template
+    assert one.params is params
+    assert one.template is staged.template
     return one, staged
 
 

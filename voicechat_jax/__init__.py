@@ -9,8 +9,9 @@ The names a user starts from::
 
 ``ModelConfig`` / ``ServeConfig`` and the presets (``config``), the precision policies
 (``precision``), the slot state and the beat's inputs, masks and outputs (``state``), the slot
-rule that decides each beat's masks on the host (``slot_rule``), the tick (``step``), the device-side ``Engine`` and the host-side ``Server``. The serving modules are
-imported on first use, so ``import voicechat_jax.model`` stays light.
+rule that decides each beat's masks on the host (``slot_rule``), the tick (``step``), the
+device-side ``Engine`` and the host-side ``Server``. The serving modules are imported on first
+use, so ``import voicechat_jax.model`` stays light.
 """
 
 from __future__ import annotations

@@ -1,4 +1,11 @@
-"""Decode attention, one entry point for every decode-time self-attention of the model.
+"""Attention: the one masked body every attention of the model uses, and the decode entry point.
+
+``masked_softmax`` is the model's masked softmax (scores in fp32, the masked ones set to a fill
+before the softmax, probabilities cast to the operands' dtype), and ``gqa`` the grouped-query
+attention body over a [B, K, S, H] cache built on it: ``nano._attend`` (the LLM), the speech
+decoder's multi-position path (``gemma.forward``) and ``attend``'s 'xla' path all run ``gqa``;
+the character encoder (its own key layout) and the Conformer (NeMo's -10000 fill, masked
+probabilities zeroed after) run ``masked_softmax``.
 
 ``attend`` is one step (T = 1) of causal self-attention over a per-slot KV cache: the query of
 each slot against the rows its cache holds. It serves the speech decoder's multi-head attention
@@ -71,16 +78,41 @@ def _seen(lengths: jax.Array, S: int, window: int | None) -> jax.Array:
     return seen
 
 
-def _attend_xla(q, k, v, lengths, window: int | None, scale: float) -> jax.Array:
-    """The model's jnp attention at T = 1 (``nano._attend``'s operations, T kept as an axis)."""
+MASKED = float(jnp.finfo(F32).min)  # the score of a masked position (NeMo's -10000 aside)
+
+
+def masked_softmax(scores, mask, dtype, *, fill: float = MASKED, zero_masked: bool = False):
+    """``softmax(where(mask, scores, fill))`` over the last axis, in fp32, cast to ``dtype``.
+
+    ``scores`` fp32 (already scaled); ``mask`` bool, broadcastable to it. ``zero_masked`` sets
+    the masked probabilities to 0 after the softmax (NeMo's Conformer does; a row with nothing
+    unmasked then gives zeros rather than a uniform average).
+    """
+    probs = jax.nn.softmax(jnp.where(mask, scores, fill), axis=-1)
+    if zero_masked:
+        probs = jnp.where(mask, probs, 0.0)
+    return probs.astype(dtype)
+
+
+def gqa(q, k, v, mask, *, scale: float) -> jax.Array:
+    """Masked grouped-query attention: the model's body, in q's dtype.
+
+    q [B, T, K, G, H] (query head ``n = k * G + g``); k, v [B, K, S, H]; mask bool broadcastable
+    to [B, K, G, T, S]. Scores from operands in q's dtype, accumulated in fp32 and scaled,
+    ``masked_softmax``, the value product accumulated in fp32. Returns [B, T, K, G, H].
+    """
     act = q.dtype
-    mask = _seen(lengths, k.shape[2], window)[:, None]  # [B, T=1, S]
-    qt = q[:, None]  # [B, T=1, K, G, H]
-    scores = jnp.einsum("btkgh,bksh->bkgts", qt, k.astype(act), preferred_element_type=F32)
-    scores = jnp.where(mask[:, None, None], scores * scale, jnp.finfo(F32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(act)
+    scores = jnp.einsum("btkgh,bksh->bkgts", q, k.astype(act), preferred_element_type=F32)
+    probs = masked_softmax(scores * scale, mask, act)
+    # [B, K, G, T, H] first, then moved: XLA:CPU has no bf16 x bf16 -> fp32 dot for "->btkgh".
     out = jnp.einsum("bkgts,bksh->bkgth", probs, v.astype(act), preferred_element_type=F32)
-    return out[:, :, :, 0].astype(act)  # [B, K, G, H]
+    return jnp.moveaxis(out, 3, 1).astype(act)
+
+
+def _attend_xla(q, k, v, lengths, window: int | None, scale: float) -> jax.Array:
+    """The model's jnp attention at T = 1 (``gqa`` with T kept as an axis)."""
+    mask = _seen(lengths, k.shape[2], window)[:, None, None, None]  # [B, 1, 1, T=1, S]
+    return gqa(q[:, None], k, v, mask, scale=scale)[:, 0]  # [B, K, G, H]
 
 
 def _attend_dpa(q, k, v, lengths, window: int | None, scale: float, implementation: str):

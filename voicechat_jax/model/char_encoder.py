@@ -44,6 +44,7 @@ import numpy as np
 from flax import struct
 
 from voicechat_jax.config import BOS_ID, EOS_ID, SpeechDecoderConfig
+from voicechat_jax.model.attention import masked_softmax
 from voicechat_jax.model.common import fan_in_normal, normal, rms_norm
 from voicechat_jax.model.gemma import apply_rope, rope_inv_freq
 from voicechat_jax.precision import Precision
@@ -189,8 +190,7 @@ def _encoder_layer(params: CharEncoderParams, l: int, h, mask, positions, *, cfg
     if cfg.cas_apply_softcap:
         logits = jnp.tanh(logits / cfg.cas_softcap) * cfg.cas_softcap
     # bidirectional; padding chars are masked as keys only (a row with no chars stays finite)
-    logits = jnp.where(mask[:, None, None, None, :], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    probs = masked_softmax(logits, mask[:, None, None, None, :], q.dtype)
     a = jnp.einsum("mkgcs,mskh->mckgh", probs, v).reshape(I, J, cfg.n_heads * cfg.head_dim)
     a = jnp.einsum("mce,ed->mcd", a, params.o[l].astype(a.dtype))
     h = h + rms_norm(a, params.post_attn_norm[l], eps, offset=1.0)

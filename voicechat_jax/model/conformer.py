@@ -60,6 +60,7 @@ from flax import struct
 
 from voicechat_jax.config import EncoderConfig
 from voicechat_jax.model import mel as mel_lib
+from voicechat_jax.model.attention import masked_softmax
 from voicechat_jax.model.common import dense, layer_norm
 from voicechat_jax.precision import Precision
 
@@ -345,8 +346,7 @@ def _attention(
     bd = jnp.einsum("btnh,tsnh->bnts", q + p.pos_bias_v.astype(x.dtype), pos)
     scores = ((ac + bd) / math.sqrt(H)).astype(jnp.float32)
     m = mask[:, None]  # [B, 1, T, S + T]
-    probs = jax.nn.softmax(jnp.where(m, scores, _MASKED_SCORE), axis=-1)
-    probs = jnp.where(m, probs, 0.0).astype(x.dtype)
+    probs = masked_softmax(scores, m, x.dtype, fill=_MASKED_SCORE, zero_masked=True)
     y = jnp.einsum("bnts,bsnh->btnh", probs, v).reshape(B, T, D)
     return dense(y, p.o), keys[:, T:], values[:, T:]
 

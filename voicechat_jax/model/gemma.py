@@ -34,7 +34,7 @@ import numpy as np
 from flax import struct
 
 from voicechat_jax.config import SpeechDecoderConfig
-from voicechat_jax.model.attention import attend
+from voicechat_jax.model.attention import attend, gqa
 from voicechat_jax.model.common import fan_in_normal, normal, rms_norm
 from voicechat_jax.precision import Precision
 
@@ -238,14 +238,8 @@ def forward(
                 qg[:, 0], ks[l], vs[l], positions[:, 0] + 1, window=win, scale=scale, impl=attention
             )
         else:
-            logits = jnp.einsum(
-                "btkgh,bksh->bkgts", qg, ks[l].astype(q.dtype), preferred_element_type=jnp.float32
-            )
-            logits = logits * scale
-            mask = masks[int(window[l])]
-            logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
-            probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)  # [B, K, G, T, S]
-            a = jnp.einsum("bkgts,bksh->btkgh", probs, vs[l].astype(q.dtype))
+            mask = masks[int(window[l])][:, None, None]  # [B, 1, 1, T, S]
+            a = gqa(qg, ks[l], vs[l], mask, scale=scale)
         a = a.reshape(B, T, cfg.n_heads * H)
         a = jnp.einsum("bte,ed->btd", a, w["o"].astype(a.dtype))
         h = h + rms_norm(a, w["post_attn_norm"], eps, offset=1.0)

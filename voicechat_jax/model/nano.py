@@ -60,7 +60,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.mamba_step import mamba_step
 from pallas_kernels.ssm_step import ssm_step, ssm_step_reference
 from voicechat_jax.config import LLMConfig
-from voicechat_jax.model.attention import attend
+from voicechat_jax.model.attention import attend, gqa
 from voicechat_jax.model.common import dense, fan_in_normal, normal, rms_norm
 from voicechat_jax.model.projection import matmul
 from voicechat_jax.precision import Precision
@@ -505,18 +505,11 @@ def _mlp(
 
 
 def _attend(q, keys, values, mask):
-    """Masked softmax attention, scores and softmax in fp32.
+    """Masked softmax attention (``attention.gqa``), scores and softmax in fp32.
 
     q [B, T, K, G, H]; keys, values [B, K, S, H]; mask [B, T, S] bool. Returns [B, T, K, G, H].
     """
-    act = q.dtype
-    scale = q.shape[-1] ** -0.5
-    scores = jnp.einsum("btkgh,bksh->bkgts", q, keys.astype(act), preferred_element_type=F32)
-    scores = jnp.where(mask[:, None, None], scores * scale, jnp.finfo(F32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(act)
-    # [B, K, G, T, H] first, then moved: XLA:CPU has no bf16 x bf16 -> fp32 dot for "->btkgh".
-    out = jnp.einsum("bkgts,bksh->bkgth", probs, values.astype(act), preferred_element_type=F32)
-    return jnp.moveaxis(out, 3, 1).astype(act)
+    return gqa(q, keys, values, mask[:, None, None], scale=q.shape[-1] ** -0.5)
 
 
 def _attn(
