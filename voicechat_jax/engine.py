@@ -323,6 +323,18 @@ class Engine:
             _log_compiled("tick", self._tick, self.memory)
         return self._tick
 
+    buckets: tuple[int, ...] = ()  # slot counts compiled apart (``BucketEngine``); (): one tick
+
+    def place(self, plan) -> None:
+        """Puts the state where a scheduler's ``BeatPlan`` runs it. A fixed engine holds every
+        slot in its one compiled tick: nothing to move (a plan that moves sessions or picks
+        another slot count needs a ``buckets.BucketEngine``)."""
+        if plan.moves or plan.bucket != self.serve.slots:
+            raise ValueError(
+                f"a plan of bucket {plan.bucket} with {len(plan.moves)} move(s) needs a "
+                f"BucketEngine; this engine runs {self.serve.slots} slots in one tick"
+            )
+
     def empty_masks(self) -> state_lib.SlotMasks:
         """The masks of ``empty_beat`` on a fresh engine (nothing live, nothing changes): the
         masks' shapes, for lowering, and a beat that is never run."""

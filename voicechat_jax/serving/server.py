@@ -304,7 +304,7 @@ class Server:
         self.asr_decode = asr_decode
         self.rollovers = 0  # roll-overs the host asked for (beat thread)
         self.scheduler = scheduler or Lockstep()
-        if self.scheduler.buckets and self.scheduler.buckets != getattr(engine, "buckets", ()):
+        if self.scheduler.buckets and self.scheduler.buckets != engine.buckets:
             raise ValueError(f"scheduler buckets {self.scheduler.buckets} need a BucketEngine")
         self._waiting: list[tuple[SessionSource, list[Join]]] = []  # joins the scheduler holds
         self._stop = stop_event or threading.Event()
@@ -472,9 +472,8 @@ class Server:
         for source in self._sources:
             source.feed(k, self.queues)
         schedule = self.scheduler.plan(k, self.slots, self.queues)  # moves sessions, if any
-        if hasattr(self.engine, "place"):  # a BucketEngine: the state into the beat's bucket
-            self.engine.place(schedule)
-            retarget(schedule.moves, admit, release, keys)
+        self.engine.place(schedule)  # a BucketEngine moves the state into the beat's bucket
+        retarget(schedule.moves, admit, release, keys)
         live = self.slots.slot_sessions()
         silent = {sid: self.queues.backlog(sid) == 0 for sid in live if sid is not None}
         audio, underrun = self.queues.take_beat(schedule.running(live))  # held: input kept
