@@ -439,28 +439,41 @@ def instr_flops(hlo: Hlo, ins: Instr) -> float:
 # ---------------------------------------------------------------------------------- components
 
 
-class Sources:
-    """The repository's source lines, read where the HLO's frames name them."""
+def repository_path(file: str) -> str | None:
+    """A frame's file as a path in the repository (None: not one of its sources)."""
+    for top in ("voicechat_jax/", "pallas_kernels/", "experiments/"):
+        i = file.rfind("/" + top)
+        if i >= 0 or file.startswith(top):
+            return file[i + 1 :] if i >= 0 else file
+    return None
 
-    def __init__(self, root: str):
+
+class Sources:
+    """The repository's source lines, read where the HLO's frames name them.
+
+    ``files`` (repository path -> text): the sources as they were when the trace was taken
+    (``run.py`` keeps them beside it, ``sources.json.gz``), so that a trace reduces the same
+    whatever the working tree holds now; without it, the files under ``root``.
+    """
+
+    def __init__(self, root: str, files: dict[str, str] | None = None):
         self.root = root
+        self.files = files
         self._lines: dict[str, list[str]] = {}
 
     def _read(self, file: str) -> list[str]:
-        rel = None
-        for top in ("voicechat_jax/", "pallas_kernels/", "experiments/"):
-            i = file.rfind("/" + top)
-            if i >= 0 or file.startswith(top):
-                rel = file[i + 1 :] if i >= 0 else file
-                break
+        rel = repository_path(file)
         if rel is None:
             return []
         if rel not in self._lines:
-            try:
-                with open(os.path.join(self.root, rel)) as fh:
-                    self._lines[rel] = fh.read().splitlines()
-            except OSError:
-                self._lines[rel] = []
+            if self.files is not None:
+                self._lines[rel] = self.files.get(rel, "").splitlines()
+            else:
+                try:
+                    with open(os.path.join(self.root, rel)) as fh:
+                        self._lines[rel] = fh.read().splitlines()
+                except OSError:
+                    self._lines[rel] = []
         return self._lines[rel]
 
     def text(self, f: Frame) -> str:

@@ -68,6 +68,26 @@ def commit() -> str:
         return "unknown"
 
 
+SOURCES = "sources.json.gz"  # the repository files the HLO's frames name, as they were
+
+
+def keep_sources(out_dir: pathlib.Path, hlo_texts: list[str]) -> None:
+    """Adds to ``out_dir/sources.json.gz`` every repository file the HLO's stack frames name, as
+    the checkout holds it now: the reduction of this run reads them, not a later tree."""
+    path = out_dir / SOURCES
+    files: dict[str, str] = {}
+    if path.exists():
+        with gzip.open(path, "rt") as f:
+            files = json.load(f)
+    for text in hlo_texts:
+        hlo = reduce_lib.parse_hlo(text)
+        for rel in {reduce_lib.repository_path(f.file) for f in hlo.locations.values()}:
+            if rel is not None and rel not in files and (REPO / rel).exists():
+                files[rel] = (REPO / rel).read_text()
+    with gzip.open(path, "wt", compresslevel=9) as f:
+        json.dump(files, f)
+
+
 def floor_ms(slots: int, template, tbps: float) -> float:
     """The byte floor of one tick (two frame-steps) at the 11B; a slot's bytes from its state
     (``engine.frame_step_bytes``: the cap and the policy's dtypes)."""
@@ -190,6 +210,7 @@ def profile_slots(n: int, params, cfg, template, out_dir: pathlib.Path, rows: Ro
         f.write(tick.as_text())
         f.write("\n")
         f.write(admit.as_text())
+    keep_sources(out_dir, [tick.as_text(), admit.as_text()])
     shutil.rmtree(trace_root, ignore_errors=True)
 
     cost = tick.cost_analysis()
@@ -239,7 +260,12 @@ def reduce_measure(measure: dict, out_dir: pathlib.Path, rows: Rows) -> dict | N
     parts = text.split("\nHloModule ")
     hlos = [reduce_lib.parse_hlo(p if i == 0 else "HloModule " + p) for i, p in enumerate(parts)]
     events, kind, lines, alignment = reduce_lib.device_events(trace, hlos)
-    sources = reduce_lib.Sources(str(REPO))
+    snapshot = out_dir / SOURCES
+    files = None
+    if snapshot.exists():
+        with gzip.open(snapshot, "rt") as f:
+            files = json.load(f)
+    sources = reduce_lib.Sources(str(REPO), files)
     ticks = reduce_lib.windows(trace, "tick ")
     admission = reduce_lib.windows(trace, "admission")
 
