@@ -1,0 +1,145 @@
+"""Capacity on the user's path: ``voicechat-serve``'s own run, every session through its roll-over.
+
+For each policy in ``--policies``, session count in ``--sessions`` and loop in ``--loops``, the
+run ``voicechat-serve --model=M --slots=N --sessions=N --seconds=S --at_cap=memory --loop=L``
+makes (``serving.runner.run``: random weights unless ``--checkpoint``, the bundled recording for
+every session, the real-time clock, every output written to files), and one row of what it held:
+the steady ticks, the beat latency, the misses and skips by cause, each host stage at p99, the
+roll-overs served, the compile and warm-up times, and the byte floor of the beat (a slot's bytes
+from its state under the policy, ``engine.frame_step_bytes``). A point holds when no steady tick
+missed over at least ``--min_ticks`` ticks; with ``--seconds=170`` at the two-minute cap a run
+covers a full fill and every session's memory roll-over (spread one a beat from the soft
+threshold, 90 s in). Rows go to ``--out`` as they are measured, each with the commit, device,
+jax version and command (``experiments.harness``).
+
+The kernel-level worst case, every cache held full on every tick with no roll-over, is
+``experiments/capacity/run.py --hold_full``: labelled as such, never the headline.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import jax
+from absl import app, flags
+
+from experiments.harness import RowLog
+from voicechat_jax import config as config_lib
+from voicechat_jax.engine import byte_floor_ms, frame_step_bytes, template_fn
+from voicechat_jax.model import voicechat
+from voicechat_jax.precision import policy
+from voicechat_jax.serving import runner
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "voicechat_11b", "Model preset (random weights unless --checkpoint).")
+flags.DEFINE_string("checkpoint", None, "A converted checkpoint to serve instead.")
+flags.DEFINE_list("policies", ["reference"], "Precision policies (voicechat_jax.precision).")
+flags.DEFINE_list("sessions", ["64"], "Session counts (slots = sessions).")
+flags.DEFINE_list("loops", ["dispatch", "resident"], "Loops to serve each point on.")
+flags.DEFINE_float("seconds", 170.0, "Seconds served per point (170 s: 1,062 beats).")
+flags.DEFINE_integer("context_frames", 1500, "The context cap (1,500: two minutes).")
+flags.DEFINE_string("at_cap", "memory", "What a session does at the cap (ServeConfig.at_cap).")
+flags.DEFINE_integer("min_ticks", 1059, "Steady ticks a holding point must have served.")
+flags.DEFINE_string("ssm_kernel", "auto", "ServeConfig.ssm_kernel.")
+flags.DEFINE_string("attention", "auto", "ServeConfig.attention.")
+flags.DEFINE_string("out", None, "Rows (JSON lines), appended as measured.")
+flags.DEFINE_string("output_dir", None, "Where each run writes its outputs (default: a temp dir).")
+
+STAGES = ("wake", "prepare", "dispatch", "device", "pickup", "collect")
+
+
+def floor_ms(cfg, serve: config_lib.ServeConfig) -> float:
+    """The byte floor of a beat of ``serve.slots`` sessions at the cap, from the shapes: the
+    weights read once a frame-step (every parameter: 26.03 GB at the 11B, the ~26 GB of
+    ``docs/serving.md`` §3) and each slot's state (``engine.frame_step_bytes``)."""
+    params = voicechat.abstract(cfg, serve.precision)
+    template = jax.eval_shape(template_fn(cfg, serve), params)
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    return byte_floor_ms(weights, frame_step_bytes(template), serve.slots)
+
+
+def row_of(result: runner.RunResult, n: int, loop: str, name: str, floor: float) -> dict:
+    """The row of one run: what it held, and where each beat's time went."""
+    s = result.summary
+    lat = s["latency_ms"]
+    stages = s["host_stages_ms"]
+    held = s["missed_ticks"] == 0 and s["ticks"] >= FLAGS.min_ticks
+    return {
+        "kind": "user_path",
+        "policy": name,
+        "sessions": n,
+        "loop": loop,
+        "seconds": FLAGS.seconds,
+        "context_frames": FLAGS.context_frames,
+        "at_cap": FLAGS.at_cap,
+        "steady_ticks": s["ticks"],
+        "p50_ms": lat["p50"],
+        "p99_ms": lat["p99"],
+        "p99.9_ms": lat["p99.9"],
+        "max_ms": lat["max"],
+        "missed_ticks": s["missed_ticks"],
+        "missed_by_cause": s["missed_by_cause"],
+        "skipped_by_cause": s["skipped_by_cause"],
+        "stages_p99_ms": {k: stages[k]["p99"] for k in STAGES if k in stages},
+        "stages_max_ms": {k: stages[k]["max"] for k in STAGES if k in stages},
+        "rollovers": s["events"].get("rollover", 0),
+        "failed_sessions": result.failed,
+        "compile_s": s["compile_s"],
+        "floor_ms": floor,
+        "holds": held,
+    }
+
+
+def main(argv):
+    del argv
+    rows = RowLog(FLAGS.out)
+    out_root = FLAGS.output_dir or tempfile.mkdtemp(prefix="capacity_serve_")
+    cfg = config_lib.PRESETS[FLAGS.model]()
+    for name in FLAGS.policies:
+        for n in (int(x) for x in FLAGS.sessions):
+            serve = config_lib.ServeConfig(
+                slots=n,
+                context_frames=FLAGS.context_frames,
+                at_cap=FLAGS.at_cap,
+                precision=policy(name),
+                ssm_kernel=FLAGS.ssm_kernel,
+                attention=FLAGS.attention,
+            )
+            floor = floor_ms(cfg, serve)
+            for loop in FLAGS.loops:
+                options = runner.RunOptions(
+                    serve=serve,
+                    model=FLAGS.model,
+                    checkpoint=FLAGS.checkpoint,
+                    sessions=n,
+                    seconds=FLAGS.seconds,
+                    loop=loop,
+                    clock="realtime",
+                    output_dir=os.path.join(out_root, f"{name}_{n}_{loop}"),
+                    overwrite=True,
+                )
+                try:
+                    result = runner.run(options)
+                except Exception as e:  # a count that does not fit is a result
+                    rows.write({"kind": "error", "policy": name, "sessions": n, "loop": loop,
+                                "error": str(e)[:300]})  # fmt: skip
+                    continue
+                row = rows.write(row_of(result, n, loop, name, floor))
+                print(
+                    f"{name} {n} {loop}: p50/p99/max {row['p50_ms']:.1f} / {row['p99_ms']:.1f} / "
+                    f"{row['max_ms']:.1f} ms, missed {row['missed_ticks']} "
+                    f"{row['missed_by_cause']} of {row['steady_ticks']}, "
+                    f"p99 stages {_fmt(row['stages_p99_ms'])}, "
+                    f"roll-overs {row['rollovers']}, floor {floor:.1f} ms: "
+                    f"{'holds' if row['holds'] else 'does not hold'}"
+                )
+
+
+def _fmt(stages: dict) -> str:
+    return " ".join(f"{k} {v:.1f}" for k, v in stages.items() if v is not None)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    app.run(main)
