@@ -12,12 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments" / "policy_sim"))
-sys.path.insert(
-    0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments" / "admission_overload")
-)
-import burst_replay as br
-import sim
+from experiments.admission_overload import burst_replay as br
+from experiments.policy_sim import sim
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _HERE = _REPO / "experiments" / "admission_overload"

@@ -32,7 +32,7 @@ from tests import mesh_worker as w
 from tests import tp_worker as tw
 from voicechat_jax import mesh as mesh_lib
 from voicechat_jax.config import LLMConfig, ServeConfig, tiny
-from voicechat_jax.model import nano
+from voicechat_jax.model import llm_shard, nano, nano_tp
 from voicechat_jax.precision import Precision
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -342,7 +342,7 @@ def test_same_tokens_and_codes_as_one_device(tp, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_llm_state_equals_one_device_to_rounding(tp, layout):
-    """The final LLM state, back in the one-device layout (``nano.state_from_tensor_parallel``:
+    """The final LLM state, back in the one-device layout (``nano_tp.state_from_tensor_parallel``:
     each channel and KV head from its first holder), equals one device's within STATE_ATOL."""
     _, a = tp
     n = sum(k.startswith("one/llm_state/") for k in a)
@@ -358,7 +358,7 @@ def _per_step(layout: str) -> int:
     """All-reduces of one LLM frame step: one per layer (its row-parallel product), plus one per
     Mamba layer for the gated norm when a B/C group spans devices."""
     llm = tw.CFG.llm
-    norm_ranks = nano.shard_config(llm, _model(layout)).norm_ranks
+    norm_ranks = llm_shard.shard_config(llm, _model(layout)).norm_ranks
     return len(llm.pattern) + (norm_ranks > 1) * len(llm.layers_of("M"))
 
 
@@ -385,7 +385,7 @@ def test_llm_state_sharded_over_model(tp, layout):
     result, _ = tp
     r, llm = result[layout], tw.CFG.llm
     m, slots = _model(layout), tw.SLOTS // _data(layout)
-    local = nano.shard_config(llm, m)
+    local = llm_shard.shard_config(llm, m)
     S = tw.TEMPLATE_LENGTH + tw.SERVE.context_frames
     assert r["state"] == {
         "ssm": {
@@ -409,7 +409,7 @@ def test_llm_weights_sharded_megatron_style(tp, layout):
     result, _ = tp
     r, llm = result[layout], tw.CFG.llm
     m = _model(layout)
-    local = nano.shard_config(llm, m)
+    local = llm_shard.shard_config(llm, m)
     L_m, L_f, L_a = (len(llm.layers_of(c)) for c in "M-*")
     D, NH = llm.d_model, llm.d_inner
     column, row, head = [None, None, "model"], [None, "model", None], [None, "model"]
@@ -445,8 +445,8 @@ def test_tensor_parallel_layout_round_trip(m):
     """The layout's index covers every one-device channel and KV head (a permutation where m
     divides the groups and KV heads); a state there and back is unchanged."""
     llm = tw.CFG.llm
-    idx = nano.tensor_parallel_index(llm, m)
-    local = nano.shard_config(llm, m)
+    idx = nano_tp.tensor_parallel_index(llm, m)
+    local = llm_shard.shard_config(llm, m)
     assert len(idx["in_proj"]) == m * local.in_proj_dim
     assert len(idx["conv"]) == m * local.conv_dim
     assert set(idx["in_proj"]) == set(range(llm.in_proj_dim))
@@ -459,20 +459,22 @@ def test_tensor_parallel_layout_round_trip(m):
         lambda x: rng.standard_normal(x.shape).astype(x.dtype),
         jax.eval_shape(lambda: nano.init_state(llm, 2, 5, tw.PREC)),
     )
-    back = nano.state_from_tensor_parallel(nano.state_to_tensor_parallel(state, llm, m), llm, m)
+    back = nano_tp.state_from_tensor_parallel(
+        nano_tp.state_to_tensor_parallel(state, llm, m), llm, m
+    )
     chex.assert_trees_all_equal(back, state)
 
 
 def test_indivisible_sizes_are_one_line_errors():
     llm = tw.CFG.llm  # n_heads 4, n_kv_heads 2, mamba_heads 8, n_groups 2, mlp_dim 96
     with pytest.raises(ValueError, match=r"^model_parallel=3 does not divide the LLM's n_heads=4$"):
-        nano.shard_config(llm, 3)
+        llm_shard.shard_config(llm, 3)
     odd_groups = LLMConfig(**{**_fields(llm), "mamba_heads": 12, "n_groups": 3})
     with pytest.raises(ValueError, match="model_parallel=2 and the LLM's n_groups=3: neither"):
-        nano.shard_config(odd_groups, 2)
+        llm_shard.shard_config(odd_groups, 2)
     wide = LLMConfig(**{**_fields(llm), "mlp_dim": 90})
     with pytest.raises(ValueError, match="does not divide the LLM's mlp_dim=90"):
-        nano.shard_config(wide, 4)
+        llm_shard.shard_config(wide, 4)
     serve = ServeConfig(slots=4, precision=Precision.fp32(), ssm_kernel="fused")
     four = AbstractMesh((1, 4), (mesh_lib.DATA, mesh_lib.MODEL))
     with pytest.raises(ValueError, match="ssm_kernel='fused' needs the LLM's n_groups=2"):
@@ -493,7 +495,7 @@ def test_one_device_and_data_meshes_are_unchanged():
     serve = ServeConfig(slots=4, precision=Precision.fp32())
     data = AbstractMesh((4,), (mesh_lib.DATA,))
     assert mesh_lib.local_config(cfg, serve, data) is cfg
-    assert nano.shard_config(cfg.llm, 1) is cfg.llm
+    assert llm_shard.shard_config(cfg.llm, 1) is cfg.llm
     assert mesh_lib.make_mesh(1).axis_names == (mesh_lib.DATA,)
     assert mesh_lib.make_mesh(1, model_parallel=1).axis_names == (mesh_lib.DATA, mesh_lib.MODEL)
     assert mesh_lib.param_specs(data) == mesh_lib.P()

@@ -13,9 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments" / "policy_sim"))
-import sim
-
+from experiments.policy_sim import sim
 from voicechat_jax.serving.clock import BeatClock
 
 FLAT = sim.StepCost(a_ms=25.0, b_ms=0.0, c_ms=0.0)  # a 50 ms tick whatever the batch
@@ -407,7 +405,7 @@ def test_run_still_fits_the_beat_profile_rows(tmp_path):
 
 def test_engine_rows_reach_the_file_as_they_are_measured(tmp_path):
     """A run cut short keeps the rows it measured: ``run_parts`` writes each as it is appended."""
-    import engine_runs
+    from experiments.policy_sim import engine_runs
 
     out = tmp_path / "rows.jsonl"
 

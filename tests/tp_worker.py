@@ -28,7 +28,17 @@ from voicechat_jax import mesh as mesh_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import PAD_ID, ServeConfig, tiny
 from voicechat_jax.engine import Engine
-from voicechat_jax.model import codec, conformer, ear_tts, gemma, nano, rnnt, voicechat
+from voicechat_jax.model import (
+    codec,
+    conformer,
+    ear_tts,
+    gemma,
+    llm_shard,
+    nano,
+    nano_tp,
+    rnnt,
+    voicechat,
+)
 from voicechat_jax.precision import Precision
 
 CFG = tiny()
@@ -191,7 +201,7 @@ def run(out_dir: str) -> None:
             for b in beats(engine):
                 engine.tick(b)
         seconds[name] = time.perf_counter() - t
-        llm = nano.shard_config(CFG.llm, model)
+        llm = llm_shard.shard_config(CFG.llm, model)
         groups = mesh_lib.all_reduce_groups(hlo)
         result[name] = {
             "mesh_shape": dict(mesh.shape),
@@ -213,7 +223,7 @@ def run(out_dir: str) -> None:
             for f in ("ran", "active", "frame", "reseeded"):
                 arrays[f"{name}/beat{k}/{f}"] = np.asarray(getattr(o, f))
         model = 1 if name == "one" else int(name.split("m")[1])
-        llm = nano.state_from_tensor_parallel(
+        llm = nano_tp.state_from_tensor_parallel(
             jax.device_get(engine.state.model.llm), CFG.llm, model
         )
         for i, x in enumerate(jax.tree_util.tree_leaves(llm)):

@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ModelConfig, ServeConfig
-from voicechat_jax.model import nano, voicechat
+from voicechat_jax.model import llm_shard, nano_tp, voicechat
 
 DATA = "data"  # the mesh axis the slots are split over
 MODEL = "model"  # the mesh axis the LLM's heads are split over (tensor parallelism)
@@ -111,16 +111,16 @@ def model_parallel(mesh: Mesh | AbstractMesh) -> int:
 
 
 def local_config(cfg: ModelConfig, serve: ServeConfig, mesh: Mesh | AbstractMesh) -> ModelConfig:
-    """The model config one device runs: ``cfg`` with the LLM's ``nano.shard_config``.
+    """The model config one device runs: ``cfg`` with the LLM's ``llm_shard.shard_config``.
 
     ``cfg`` itself without tensor parallelism. Raises ``ValueError`` (one line) when the
-    ``model`` axis cannot split the LLM (``nano.shard_config``), or for the fused Mamba kernel
+    ``model`` axis cannot split the LLM (``llm_shard.shard_config``), or for the fused Mamba kernel
     with B/C groups split over devices.
     """
     m = model_parallel(mesh)
     if m == 1:
         return cfg
-    llm = nano.shard_config(cfg.llm, m, MODEL)
+    llm = llm_shard.shard_config(cfg.llm, m, MODEL)
     if serve.ssm_kernel == "fused" and llm.norm_ranks > 1:
         raise ValueError(
             f"ssm_kernel='fused' needs the LLM's n_groups={cfg.llm.n_groups} to divide by "
@@ -178,11 +178,11 @@ def _named(specs, mesh: Mesh):
 
 def param_specs(mesh: Mesh | AbstractMesh):
     """A ``ModelParams`` prefix of ``PartitionSpec``: all replicated, but the LLM's split over
-    ``model`` (``nano.partition_specs``, tensor-parallel layout) when the mesh has that axis."""
+    ``model`` (``nano_tp.partition_specs``, tensor-parallel layout) when the mesh has that axis."""
     if model_parallel(mesh) == 1:
         return P()
     return voicechat.ModelParams(
-        encoder=P(), llm=nano.partition_specs(MODEL), rnnt=P(), tts=P(), codec=P()
+        encoder=P(), llm=nano_tp.partition_specs(MODEL), rnnt=P(), tts=P(), codec=P()
     )
 
 
@@ -191,7 +191,7 @@ def _frame_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh, batch: str | None)
     if model_parallel(mesh) == 1:
         return P(batch)
     b = P(batch)
-    llm = nano.state_partition_specs(cfg.llm, MODEL, batch)
+    llm = nano_tp.state_partition_specs(cfg.llm, MODEL, batch)
     return voicechat.FrameState(
         encoder=b, llm=llm, rnnt=b, tts=b, codec=b, text_prev=b, func_prev=b, frame=b
     )
@@ -199,7 +199,7 @@ def _frame_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh, batch: str | None)
 
 def state_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh):
     """A ``SessionState`` prefix of ``PartitionSpec``: slots over ``data``, LLM heads over
-    ``model`` (``nano.state_partition_specs``)."""
+    ``model`` (``nano_tp.state_partition_specs``)."""
     if model_parallel(mesh) == 1:
         return P(DATA)
     return state_lib.SessionState(model=_frame_specs(cfg, mesh, DATA), active=P(DATA), key=P(DATA))
@@ -212,7 +212,7 @@ def template_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh):
 
 def put_params(params: voicechat.ModelParams, cfg: ModelConfig, mesh: Mesh):
     """The params placed for ``mesh``: replicated, the LLM's in the tensor-parallel layout
-    (``nano.to_tensor_parallel``) and split over ``model`` when the mesh has that axis.
+    (``nano_tp.to_tensor_parallel``) and split over ``model`` when the mesh has that axis.
 
     The one-device layout goes in (as restored or built); only the LLM's leaves are rebuilt.
     """
@@ -220,9 +220,9 @@ def put_params(params: voicechat.ModelParams, cfg: ModelConfig, mesh: Mesh):
     m = model_parallel(mesh)
     if m == 1:
         return params
-    specs = _named(nano.partition_specs(MODEL), mesh)
+    specs = _named(nano_tp.partition_specs(MODEL), mesh)
     to_tp = jax.jit(
-        functools.partial(nano.to_tensor_parallel, cfg=cfg.llm, m=m), out_shardings=specs
+        functools.partial(nano_tp.to_tensor_parallel, cfg=cfg.llm, m=m), out_shardings=specs
     )
     return params.replace(llm=to_tp(params.llm))
 
@@ -234,8 +234,8 @@ def put_template(template: voicechat.FrameState, cfg: ModelConfig, mesh: Mesh):
     m = model_parallel(mesh)
     if m == 1:
         return template
-    specs = _named(nano.state_partition_specs(cfg.llm, MODEL, None), mesh)
-    fn = functools.partial(nano.state_to_tensor_parallel, cfg=cfg.llm, m=m)
+    specs = _named(nano_tp.state_partition_specs(cfg.llm, MODEL, None), mesh)
+    fn = functools.partial(nano_tp.state_to_tensor_parallel, cfg=cfg.llm, m=m)
     return template.replace(llm=jax.jit(fn, out_shardings=specs)(template.llm))
 
 

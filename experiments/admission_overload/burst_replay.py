@@ -21,7 +21,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-import sim
+
+from experiments.policy_sim import sim
 
 BURST_SEED = 5  # the seed of the engine part's burst (``run.burst_plans``)
 FRAMES_PER_TICK = 2

@@ -24,21 +24,15 @@ from __future__ import annotations
 
 import os
 import pathlib
-import sys
 
 import numpy as np
 from absl import app, flags, logging
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
-sys.path.insert(0, str(_HERE.parent / "policy_sim"))
-import engine_runs as er  # noqa: E402
-import fits  # noqa: E402
-import sim  # noqa: E402
-
-sys.path.insert(0, str(_HERE))
-import burst_replay as br  # noqa: E402
-
+from experiments.admission_overload import burst_replay as br  # noqa: E402
+from experiments.policy_sim import engine_runs as er  # noqa: E402
+from experiments.policy_sim import fits, sim  # noqa: E402
 from voicechat_jax.engine import Engine  # noqa: E402
 from voicechat_jax.serving import scheduler as sched  # noqa: E402
 from voicechat_jax.serving.server import SessionPlan  # noqa: E402

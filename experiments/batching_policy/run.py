@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import sys
 import time
 
 import jax
@@ -29,11 +28,8 @@ from absl import app, flags, logging
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
-sys.path.insert(0, str(_HERE.parent / "policy_sim"))
-import engine_runs as er  # noqa: E402
-import fits  # noqa: E402
-import sim  # noqa: E402
-
+from experiments.policy_sim import engine_runs as er  # noqa: E402
+from experiments.policy_sim import fits, sim  # noqa: E402
 from voicechat_jax.engine import Engine  # noqa: E402
 from voicechat_jax.serving import scheduler as sched  # noqa: E402
 from voicechat_jax.serving.clock import BeatClock  # noqa: E402

@@ -35,7 +35,6 @@ import functools
 import math
 import os
 import pathlib
-import sys
 from collections.abc import Callable, Sequence
 
 import jax
@@ -45,11 +44,8 @@ from absl import app, flags, logging
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
-sys.path.insert(0, str(_HERE.parent / "policy_sim"))
-import engine_runs as er  # noqa: E402
-import fits  # noqa: E402
-import sim  # noqa: E402
-
+from experiments.policy_sim import engine_runs as er  # noqa: E402
+from experiments.policy_sim import fits, sim  # noqa: E402
 from voicechat_jax.engine import build_template  # noqa: E402
 from voicechat_jax.model import codec, ear_tts  # noqa: E402
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import pathlib
 
-import engine_runs as er
-import sim
 from absl import flags
+
+from experiments.policy_sim import engine_runs as er
+from experiments.policy_sim import sim
 
 FLAGS = flags.FLAGS
 CAPACITY_ROWS = er.H200_PROFILE.parents[2] / "capacity/results/h200_reference.jsonl"

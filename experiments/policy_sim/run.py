@@ -17,11 +17,11 @@ import math
 import os
 import pathlib
 
-import engine_runs as er
-import fits
 import numpy as np
-import sim
 from absl import app, flags, logging
+
+from experiments.policy_sim import engine_runs as er
+from experiments.policy_sim import fits, sim
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]

@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-import engine_runs as er
-import fits
-import sim
 from absl import app, flags
+
+from experiments.policy_sim import engine_runs as er
+from experiments.policy_sim import fits, sim
 
 _HERE = pathlib.Path(__file__).resolve().parent
 

@@ -49,19 +49,16 @@ chunk length of ``prefill``. Mamba's B and C matrices are arrays ``b_mat`` / ``c
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
-from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.mamba_step import mamba_step
 from pallas_kernels.ssm_step import ssm_step, ssm_step_reference
 from voicechat_jax.config import LLMConfig
 from voicechat_jax.model.attention import attend, gqa
 from voicechat_jax.model.common import dense, fan_in_normal, normal, rms_norm
+from voicechat_jax.model.llm_shard import LLMShard, all_reduce, group_mean_sq
 from voicechat_jax.model.projection import matmul
 from voicechat_jax.precision import Precision
 
@@ -301,7 +298,7 @@ def _gated_norm(y: jax.Array, z: jax.Array, w: jax.Array, cfg: LLMConfig) -> jax
     lead = g.shape[:-1]
     g = g.reshape(*lead, cfg.n_groups, -1)
     if isinstance(cfg, LLMShard) and cfg.norm_ranks > 1:
-        mean_sq = _group_mean_sq(g, cfg)  # the group spans devices: its mean is summed over them
+        mean_sq = group_mean_sq(g, cfg)  # the group spans devices: its mean is summed over them
     else:
         mean_sq = jnp.mean(g * g, axis=-1, keepdims=True)
     g = g * jax.lax.rsqrt(mean_sq + cfg.norm_eps)
@@ -361,7 +358,7 @@ def _mamba_step(
     else:
         ssm, y = ssm_step_reference(ssm, *args)
     y = _gated_norm(y.reshape(B, -1).astype(act), z, p.gate_norm[j], cfg)
-    out = _all_reduce(matmul(y, p.out_proj, layer=j, impl=projection), cfg)
+    out = all_reduce(matmul(y, p.out_proj, layer=j, impl=projection), cfg)
     new_conv = jnp.where(run[:, None, None], window[:, 1:], conv.astype(F32))
     return new_conv.astype(conv.dtype), ssm, out
 
@@ -397,7 +394,7 @@ def _mamba_step_fused(p: MambaParams, j: int, h, conv, ssm, run, cfg: LLMConfig,
         # No CPU lowering: the kernel runs in the Pallas interpreter there (trace time).
         interpret=jax.default_backend() == "cpu",
     )
-    return conv, ssm, _all_reduce(matmul(y, p.out_proj, layer=j, impl=projection), cfg)
+    return conv, ssm, all_reduce(matmul(y, p.out_proj, layer=j, impl=projection), cfg)
 
 
 def _segsum(a: jax.Array) -> jax.Array:
@@ -486,7 +483,7 @@ def _mamba_prefill(p: MambaParams, j: int, h, conv, ssm, valid, lengths, cfg, ch
     y, h_last = _ssd_scan(x, dt, A, b_mat, c_mat, h0, chunk)
     y = y + p.D[j].astype(F32).reshape(K, G)[..., None] * x
     y = _gated_norm(y.reshape(B, T, -1).astype(act), z, p.gate_norm[j], cfg)
-    out = _all_reduce(dense(y, p.out_proj[j]), cfg)
+    out = all_reduce(dense(y, p.out_proj[j]), cfg)
     return new_conv.astype(conv.dtype), h_last.reshape(ssm.shape).astype(ssm.dtype), out
 
 
@@ -501,7 +498,7 @@ def _mlp(
     ``cfg``: an ``LLMShard`` adds the partial ``down`` products over the model axis.
     """
     up = matmul(h, p.up, layer=j, impl=projection)
-    return _all_reduce(matmul(jnp.square(jax.nn.relu(up)), p.down, layer=j, impl=projection), cfg)
+    return all_reduce(matmul(jnp.square(jax.nn.relu(up)), p.down, layer=j, impl=projection), cfg)
 
 
 def _attend(q, keys, values, mask):
@@ -541,7 +538,7 @@ def _attn(
     else:
         mask = jnp.arange(S)[None, None] <= rows[..., None]  # [B, T, S] causal, NoPE
         o = _attend(q, k_cache, v_cache, mask)
-    return k_cache, v_cache, _all_reduce(dense(o.reshape(B, T, -1), p.o[j]), cfg)
+    return k_cache, v_cache, all_reduce(dense(o.reshape(B, T, -1), p.o[j]), cfg)
 
 
 # ----------------------------------------------------------------------------- the backbone
@@ -682,250 +679,3 @@ def step(
         ssm=tuple(ssm), conv=conv, k=tuple(kc), v=tuple(vc), length=pos + run.astype(jnp.int32)
     )
     return new, hidden
-
-
-# ----------------------------------------------------------------------------- tensor parallelism
-#
-# Megatron-style tensor parallelism over a mesh axis of m devices (``voicechat_jax.mesh`` runs the
-# tick in ``shard_map`` over it). Device r of the axis holds, of every layer:
-#
-# - Mamba-2 (``NemotronHMamba2Mixer``): heads [r N/m, (r+1) N/m): their columns of ``in_proj``'s
-#   z, x and dt parts, their x channels of ``conv1d``, their ``A_log``, ``D``, ``dt_bias`` and
-#   gated-norm weights, their rows of ``out_proj``; and the B/C groups those heads read: groups
-#   [r K/m, (r+1) K/m) when m divides K, else (K divides m) the one group its heads belong to,
-#   held by each of the m/K devices that share it. The gated norm of a group split over devices
-#   sums its squares over them (one all-reduce per layer, only in that case).
-# - Attention (``NemotronHAttention``): query heads [r N/m, (r+1) N/m) (columns of q, rows of
-#   o) and the KV heads they read (columns of k and v), split like the B/C groups.
-# - MLP (``NemotronHMLP``): columns [r F/m, (r+1) F/m) of up, the same rows of down.
-# - replicated: the embedding, the block norms, ``norm_f``, ``lm_head``, ``function_head``.
-#
-# Each row-parallel product (``out_proj``, ``o``, ``down``) gives a partial sum that is added over
-# the axis (``psum``, in fp32) before the residual add, so every device carries the whole residual
-# stream and computes the same logits. The decode state follows the heads: the SSM state [B, N, H,
-# P] and the KV caches [B, K, S, H] split on their head axis, the conv state on its channels.
-#
-# The columns a device holds are not one contiguous block of the stored layout (``in_proj`` is
-# [z | x | B | C | dt]; a replicated group or KV head appears on several devices), so the sharded
-# leaves are first rearranged into the *tensor-parallel layout* (``to_tensor_parallel``): m
-# consecutive blocks, block r what device r holds, in the order of the one-device layout of a
-# model with N/m heads (an identity for m = 1, and for every leaf but ``in_proj``, the conv weights
-# and conv state when m divides the group and KV head counts). A ``PartitionSpec`` over the axis
-# then gives each device its block, and the device runs the unchanged layer code with the local
-# sizes of ``shard_config``.
-
-
-@dataclasses.dataclass(frozen=True)
-class LLMShard(LLMConfig):
-    """What one device of a tensor-parallel model axis runs: the LLM with local head counts.
-
-    The inherited sizes are the local ones (``n_heads / m``, ``mamba_heads / m``, ``mlp_dim / m``,
-    and ``n_kv_heads`` and ``n_groups`` divided by m or 1 when replicated); the layer code reads
-    them as a smaller model's and, seeing this class, adds each row-parallel product's partial sums
-    over ``model_axis``. Built by ``shard_config`` only.
-    """
-
-    model_axis: str = "model"  # the shard_map axis name the partial sums are psummed over
-    model_parallel: int = 1  # m: devices on that axis
-    norm_ranks: int = 1  # devices sharing one Mamba group (m / n_groups when m > n_groups)
-
-
-def _local_count(count: int, m: int, what: str) -> int:
-    """``count / m``, or 1 when ``m`` is a multiple of ``count`` (each one replicated)."""
-    if count % m == 0:
-        return count // m
-    if m % count == 0:
-        return 1
-    raise ValueError(f"model_parallel={m} and the LLM's {what}={count}: neither divides the other")
-
-
-def shard_config(cfg: LLMConfig, model_parallel: int, axis: str = "model") -> LLMConfig:
-    """The config one device of a ``model_parallel``-way model axis runs (``cfg`` itself for 1).
-
-    Raises:
-      ValueError: (one line, naming the dimension) a head count, the MLP width or the group
-        count that the axis cannot split: query heads, Mamba heads and ``mlp_dim`` must divide by
-        m; KV heads and Mamba groups must divide by m or divide m (then each is replicated).
-    """
-    m = model_parallel
-    if m < 1:
-        raise ValueError(f"model_parallel must be >= 1, got {m}")
-    if m == 1:
-        return cfg
-    for what, count in (
-        ("n_heads", cfg.n_heads),
-        ("mamba_heads", cfg.mamba_heads),
-        ("mlp_dim", cfg.mlp_dim),
-    ):
-        if count % m:
-            raise ValueError(f"model_parallel={m} does not divide the LLM's {what}={count}")
-    base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(LLMConfig)}
-    base.update(
-        n_heads=cfg.n_heads // m,
-        n_kv_heads=_local_count(cfg.n_kv_heads, m, "n_kv_heads"),
-        mlp_dim=cfg.mlp_dim // m,
-        mamba_heads=cfg.mamba_heads // m,
-        n_groups=_local_count(cfg.n_groups, m, "n_groups"),
-    )
-    norm_ranks = m // cfg.n_groups if m > cfg.n_groups else 1
-    return LLMShard(**base, model_axis=axis, model_parallel=m, norm_ranks=norm_ranks)
-
-
-def _all_reduce(partial: jax.Array, cfg: LLMConfig | None) -> jax.Array:
-    """A row-parallel product's partial sums added over the model axis (identity off it).
-
-    The shares (each rounded to the activation dtype by its own product, as one device's whole
-    product is) are added in fp32 and the sum rounded once more: under a bf16 policy the
-    all-reduce adds no bf16 rounding per device.
-    """
-    if not isinstance(cfg, LLMShard):
-        return partial
-    return jax.lax.psum(partial.astype(F32), cfg.model_axis).astype(partial.dtype)
-
-
-def _group_mean_sq(g: jax.Array, cfg: LLMShard) -> jax.Array:
-    """Mean square of a gated-norm group split over ``norm_ranks`` devices: g [..., 1, c] local.
-
-    Each device puts its sum of squares in its own entry of an [..., m] vector; one psum gives
-    every device all m, of which it adds those of its group's devices.
-    """
-    m, r = cfg.model_parallel, cfg.norm_ranks
-    me = jax.lax.axis_index(cfg.model_axis)
-    own = jnp.sum(g * g, axis=-1, keepdims=True)  # [..., 1, 1]
-    every = jax.lax.psum(own * jax.nn.one_hot(me, m, dtype=F32), cfg.model_axis)  # [..., 1, m]
-    mine = (jnp.arange(m) // r) == (me // r)
-    return jnp.sum(jnp.where(mine, every, 0.0), axis=-1, keepdims=True) / (g.shape[-1] * r)
-
-
-def _owned(count: int, m: int, r: int) -> np.ndarray:
-    """Which of ``count`` heads (or groups) device ``r`` of ``m`` holds (see ``_local_count``)."""
-    if count % m == 0:
-        n = count // m
-        return np.arange(r * n, (r + 1) * n)
-    return np.asarray([r // (m // count)])
-
-
-def _rows(heads: np.ndarray, width: int, offset: int = 0) -> np.ndarray:
-    """Channel indices of ``heads``, each a run of ``width`` channels, after ``offset``."""
-    return offset + (heads[:, None] * width + np.arange(width)).reshape(-1)
-
-
-def tensor_parallel_index(cfg: LLMConfig, m: int) -> dict[str, np.ndarray]:
-    """For each rearranged axis, which one-device index each tensor-parallel position holds.
-
-    ``'in_proj'`` (in_proj's columns), ``'conv'`` (the conv channels: ``conv_w``, ``conv_b``, conv
-    state) and ``'kv'`` (k, v columns; KV caches' heads): m blocks, block r device r's share in
-    its local one-device order (z | x | B | C | dt; x | B | C; KV heads).
-    """
-    shard_config(cfg, m)  # the sizes must split
-    NH, H, P_, K = cfg.d_inner, cfg.mamba_head_dim, cfg.ssm_state, cfg.n_groups
-    in_proj, conv, kv = [], [], []
-    for r in range(m):
-        heads, groups = _owned(cfg.mamba_heads, m, r), _owned(K, m, r)
-        z = _rows(heads, H)
-        b, c = _rows(groups, P_, NH), _rows(groups, P_, NH + K * P_)
-        conv.append(np.concatenate([z, b, c]))
-        in_proj.append(np.concatenate([z, NH + z, NH + b, NH + c, 2 * NH + 2 * K * P_ + heads]))
-        kv.append(_owned(cfg.n_kv_heads, m, r))
-    return {"in_proj": np.concatenate(in_proj), "conv": np.concatenate(conv), "kv": np.stack(kv)}
-
-
-def _kv_columns(kv_heads: np.ndarray, head_dim: int) -> np.ndarray:
-    return np.concatenate([_rows(row, head_dim) for row in kv_heads])
-
-
-def to_tensor_parallel(params: NanoParams, cfg: LLMConfig, m: int) -> NanoParams:
-    """The params in the tensor-parallel layout of an ``m``-way model axis (same for m = 1).
-
-    Only ``in_proj``, ``conv_w``, ``conv_b``, ``k`` and ``v`` are rearranged (and grow where a
-    group or KV head is replicated); every other leaf's share is already a contiguous block.
-    """
-    if m == 1:
-        return params
-    idx = tensor_parallel_index(cfg, m)
-    kv = _kv_columns(idx["kv"], cfg.head_dim)
-    mamba = params.mamba.replace(
-        in_proj=jnp.take(params.mamba.in_proj, idx["in_proj"], axis=2),
-        conv_w=jnp.take(params.mamba.conv_w, idx["conv"], axis=2),
-        conv_b=jnp.take(params.mamba.conv_b, idx["conv"], axis=1),
-    )
-    attn = params.attn.replace(
-        k=jnp.take(params.attn.k, kv, axis=2), v=jnp.take(params.attn.v, kv, axis=2)
-    )
-    return params.replace(mamba=mamba, attn=attn)
-
-
-def state_to_tensor_parallel(state: NanoState, cfg: LLMConfig, m: int) -> NanoState:
-    """The decode state in the tensor-parallel layout (conv channels, KV heads rearranged)."""
-    if m == 1:
-        return state
-    idx = tensor_parallel_index(cfg, m)
-    kv = idx["kv"].reshape(-1)
-    return state.replace(
-        conv=jnp.take(state.conv, idx["conv"], axis=3),
-        k=tuple(jnp.take(x, kv, axis=1) for x in state.k),
-        v=tuple(jnp.take(x, kv, axis=1) for x in state.v),
-    )
-
-
-def state_from_tensor_parallel(state: NanoState, cfg: LLMConfig, m: int) -> NanoState:
-    """``state_to_tensor_parallel`` undone: each channel and KV head from its first holder."""
-    if m == 1:
-        return state
-    idx = tensor_parallel_index(cfg, m)
-
-    def first(index: np.ndarray, n: int) -> np.ndarray:
-        _, pos = np.unique(index, return_index=True)
-        assert len(pos) == n, "every one-device index has a holder"
-        return pos
-
-    conv = first(idx["conv"], cfg.conv_dim)
-    kv = first(idx["kv"].reshape(-1), cfg.n_kv_heads)
-    return state.replace(
-        conv=jnp.take(state.conv, conv, axis=3),
-        k=tuple(jnp.take(x, kv, axis=1) for x in state.k),
-        v=tuple(jnp.take(x, kv, axis=1) for x in state.v),
-    )
-
-
-def partition_specs(axis: str = "model") -> NanoParams:
-    """How the tensor-parallel params split over ``axis``: a ``NanoParams`` of ``PartitionSpec``.
-
-    Named after the HF / NeMo modules they mirror: column-parallel ``in_proj``, ``conv1d``,
-    ``A_log``, ``D``, ``dt_bias``, gated ``norm`` and q / k / v / ``up`` (split on their output
-    axis), row-parallel ``out_proj``, ``o_proj``, ``down_proj`` (split on their input axis);
-    embeddings, norms and heads replicated (``P()``).
-    """
-    column, row, per_head, rep = P(None, None, axis), P(None, axis, None), P(None, axis), P()
-    return NanoParams(
-        embed=rep,
-        lm_head=rep,
-        function_head=rep,
-        norm_f=rep,
-        mamba=MambaParams(
-            norm=rep,
-            in_proj=column,
-            conv_w=column,
-            conv_b=per_head,
-            A_log=per_head,
-            D=per_head,
-            dt_bias=per_head,
-            gate_norm=per_head,
-            out_proj=row,
-        ),
-        mlp=MLPParams(norm=rep, up=column, down=row),
-        attn=AttnParams(norm=rep, q=column, k=column, v=column, o=row),
-    )
-
-
-def state_partition_specs(cfg: LLMConfig, axis: str = "model", batch=None) -> NanoState:
-    """How the tensor-parallel decode state splits: heads (SSM, KV) and conv channels over
-    ``axis``; the slot axis over ``batch`` (a mesh axis name, or None for a template)."""
-    heads = P(batch, axis)
-    return NanoState(
-        ssm=tuple(heads for _ in cfg.layers_of("M")),
-        conv=P(batch, None, None, axis),
-        k=tuple(heads for _ in cfg.layers_of("*")),
-        v=tuple(heads for _ in cfg.layers_of("*")),
-        length=P(batch),
-    )

@@ -28,9 +28,8 @@ from voicechat_jax.serving.metrics import (
     HostTimeline,
     MetricsRecorder,
     TickRecord,
-    format_table,
-    prometheus_text,
 )
+from voicechat_jax.serving.report import format_table, prometheus_text
 from voicechat_jax.serving.sessions import (
     CapacityError,
     EndedRecords,

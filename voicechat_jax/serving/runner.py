@@ -31,7 +31,7 @@ from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving import outdir
 from voicechat_jax.serving import scheduler as scheduler_lib
 from voicechat_jax.serving.memory import RolloverPolicy
-from voicechat_jax.serving.metrics import format_table
+from voicechat_jax.serving.report import format_table
 from voicechat_jax.serving.server import Engine, Server, SessionPlan
 
 DEFAULT_WAV = os.path.join(os.path.dirname(__file__), "..", "assets", "speech_16k.wav")

@@ -3,7 +3,7 @@
 ``NetFront`` serves, beside a running ``Server`` (the beat clock, the slots, the tick), one aiohttp
 application on its own thread and event loop:
 
-- ``GET /v1/realtime`` (WebSocket): one call per connection, in the protocol of ``protocol.py``
+- ``GET /v1/realtime`` (WebSocket): one call per connection, in the protocol of ``protocol``
   and ``docs/protocol.md`` (the OpenAI Realtime API, GA; beta to a client that asks), with the
   subprotocol ``realtime`` selected when offered. Access (``auth``): with an API key set, calls
   and ``/capacity`` need it (401 without; a browser's call is closed with 1008 and an ``error``
@@ -18,7 +18,7 @@ application on its own thread and event loop:
   ``GET /capacity``: JSON ``slots``, ``max_live`` (the admission threshold, ``slots`` without
   one), ``free`` (below it), ``live``, ``draining``, ``ready`` (what a router admits by).
   ``GET /metrics``: Prometheus text (``prometheus_client``): the server's report
-  (``metrics.SummaryCollector``: beat latency summary and histogram, misses, skipped ticks,
+  (``report.SummaryCollector``: beat latency summary and histogram, misses, skipped ticks,
   underruns, session events including refusals) and this front's gauges and counters (live
   sessions, free slots, connections, protocol errors, dropped output). ``GET /``: the browser
   page (``web/``).
@@ -53,9 +53,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving.hub import CLIENT_ERROR, HubClosedError, Join
-from voicechat_jax.serving.metrics import SummaryCollector
 from voicechat_jax.serving.net import auth
 from voicechat_jax.serving.net import protocol as p
+from voicechat_jax.serving.report import SummaryCollector
 from voicechat_jax.serving.scheduler import AdmissionControl
 from voicechat_jax.serving.sessions import CapacityError
 from voicechat_jax.serving.writer import OutputStream
