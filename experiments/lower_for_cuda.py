@@ -88,7 +88,7 @@ def main(argv):
     print(
         f"{FLAGS.model} tick lowered for cuda: {len(text):,} characters, "
         f"{text.count('__gpu$xla.gpu.triton')} Triton calls, {len(products)} products {kinds}; "
-        f"{serve.slots} slots, kernels {serve.kernels()}"
+        f"{serve.slots} slots, kernels {serve.kernels().row()}"
     )
 
 

@@ -410,29 +410,32 @@ def test_serve_config_checks_tts_attention():
 def test_auto_kernels_are_the_measured_best_per_platform_and_slots():
     """'auto' (the default) becomes XLA off the GPU and below each kernel's measured threshold,
     the kernel at and above it on a GPU; explicit choices stay; an engine makes the choice."""
-    from voicechat_jax.config import AUTO_KERNELS, ServeConfig, SSMKernel, tiny
+    from voicechat_jax.config import AUTO_KERNELS, Kernels, ServeConfig, SSMKernel, tiny
     from voicechat_jax.engine import Engine
     from voicechat_jax.precision import Precision
 
     auto = ServeConfig(slots=4)
     assert (auto.attention, auto.tts_attention, auto.ssm_kernel) == ("auto", None, "auto")
     xla = {"ssm_kernel": "xla", "attention": "xla", "tts_attention": "xla", "projection": "xla"}
-    assert auto.resolved("cpu", 112).kernels() == xla
-    assert auto.resolved("gpu", 1).kernels() == xla
+    assert auto.kernels("cpu", 112).row() == xla
+    assert auto.kernels("gpu", 1).row() == xla
     best = {"ssm_kernel": "pallas", "attention": "pallas", "tts_attention": "pallas_mha"}
-    assert auto.resolved("gpu", 112).kernels() == best | {"projection": "xla"}
+    assert auto.kernels("gpu", 112).row() == best | {"projection": "xla"}
     for field, (kernel, from_slots) in AUTO_KERNELS.items():
-        assert auto.resolved("gpu", from_slots).kernels()[field] == kernel
-        assert auto.resolved("gpu", from_slots - 1).kernels()[field] == "xla"
+        assert auto.kernels("gpu", from_slots).row()[field] == kernel
+        assert auto.kernels("gpu", from_slots - 1).row()[field] == "xla"
     # A choice made is kept; the speech decoder follows an explicit LLM choice as before.
     explicit = ServeConfig(slots=112, attention="pallas", ssm_kernel="fused")
     assert explicit.resolved("gpu") is explicit
-    assert explicit.resolved("cpu").kernels()["tts_attention"] == "pallas"
+    assert explicit.kernels("cpu").row()["tts_attention"] == "pallas"
     mixed = ServeConfig(slots=64, attention="xla", tts_attention="auto", ssm_kernel="xla")
-    assert mixed.resolved("gpu").kernels() == {**xla, "tts_attention": "pallas_mha"}
+    assert mixed.kernels("gpu").row() == {**xla, "tts_attention": "pallas_mha"}
     assert ServeConfig(slots=8).resolved("gpu").ssm_kernel is SSMKernel.PALLAS
 
     cfg, prec = tiny(), Precision.fp32()
     serve = ServeConfig(slots=2, context_frames=8, precision=prec)
     engine = Engine(shared.params(prec), cfg, serve, template=shared.template(serve))
-    assert engine.kernels == xla  # this machine has no GPU
+    assert engine.kernels.row() == xla  # this machine has no GPU
+    assert engine.kernels == Kernels()  # every choice XLA, one value
+    with pytest.raises(ValueError, match="'auto' must be resolved"):
+        Kernels(attention="auto")

@@ -145,6 +145,7 @@ class BucketEngine(Engine):
                 raise MemoryPlanError(
                     f"a move into the largest bucket holds two states at once: {peak.describe()}"
                 )
+        self.bucket_kernels = {b: serve.kernels(None, b) for b in self.buckets}
         self._given = dict(ticks or {})
         self._ticks: dict[int, object] = {}
         self._pads: dict[int, object] = {}
@@ -193,10 +194,11 @@ class BucketEngine(Engine):
         if not self._ticks:
             t = time.perf_counter()
             reused = 0
-            jitted = step_lib.make_tick(self.cfg, self.serve)
             B = self.serve.slots
             pad = jax.jit(functools.partial(_pad_slots, slots=B))
             for b in self.buckets:
+                # Each bucket's own kernels: 'auto' chooses by the slots a program runs.
+                jitted = step_lib.make_tick(self.cfg, self.serve, self.bucket_kernels[b])
                 state_b = self._abstract_state(b)
                 if b in self._given:
                     self._ticks[b] = self._given[b]

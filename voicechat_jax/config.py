@@ -405,6 +405,35 @@ AUTO_KERNELS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The kernels one compiled program runs, every 'auto' choice made (``ServeConfig.kernels``).
+
+    Resolved once where a program is built (``Engine``: per engine, per bucket, per device of a
+    mesh) and passed whole to the tick and the frame step, which decide nothing about kernels.
+    """
+
+    ssm_kernel: SSMKernel = SSMKernel.XLA  # the LLM's Mamba step update
+    attention: AttentionImpl = AttentionImpl.XLA  # the LLM's decode attention
+    tts_attention: AttentionImpl = AttentionImpl.XLA  # the speech decoder's
+    projection: ProjectionImpl = ProjectionImpl.XLA  # the LLM's MLP and Mamba projections
+
+    def __post_init__(self):
+        for field, cls in (
+            ("ssm_kernel", SSMKernel),
+            ("attention", AttentionImpl),
+            ("tts_attention", AttentionImpl),
+            ("projection", ProjectionImpl),
+        ):
+            value = _choice(cls, getattr(self, field), field)
+            _check(value != "auto", f"{field}: 'auto' must be resolved (ServeConfig.kernels)")
+            object.__setattr__(self, field, value)
+
+    def row(self) -> dict[str, str]:
+        """The choices by name (for rows and logs)."""
+        return {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
 def _choice(cls: type[enum.StrEnum], value, field: str):
     """``value`` as a member of ``cls``, or a one-line error naming the choices."""
     try:
@@ -412,6 +441,9 @@ def _choice(cls: type[enum.StrEnum], value, field: str):
     except ValueError:
         names = "|".join(m.value for m in cls)
         raise ValueError(f"{field} must be {names}: {value}") from None
+
+
+XLA_KERNELS = Kernels()  # every choice the jnp path (the default off the GPU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,8 +460,8 @@ class ServeConfig:
     at_cap: AtCap = AtCap.END  # strings of the enum are accepted (and converted)
     speech_sampling: SpeechSampling = SpeechSampling.FAITHFUL
     system_prompt: tuple[int, ...] = ()  # token ids prefilled as [BOS] + ids + [EOS], if any
-    # Kernel choices; 'auto' is made for the platform and the slots a program runs as the tick is
-    # traced (``resolved``, in ``step.tick``); ``Engine.kernels`` names the choice.
+    # Kernel choices; 'auto' is made for the platform and the slots a program runs where the
+    # program is built (``kernels``; ``Engine.kernels`` names the choice).
     attention: AttentionImpl = AttentionImpl.AUTO  # LLM decode attention ('cudnn': bf16 KV only)
     tts_attention: AttentionImpl | None = None  # speech decoder's; None: as ``attention``
     ssm_kernel: SSMKernel = SSMKernel.AUTO  # LLM Mamba step update
@@ -497,14 +529,12 @@ class ServeConfig:
                 chosen[field] = kernel if on_gpu and slots >= from_slots else "xla"
         return dataclasses.replace(self, **chosen)
 
-    def kernels(self) -> dict[str, str]:
-        """The kernel choices by name, the speech decoder's spelled out (for rows and logs)."""
-        return {
-            "ssm_kernel": str(self.ssm_kernel),
-            "attention": str(self.attention),
-            "tts_attention": str(self.tts_attention or self.attention),
-            "projection": str(self.projection),
-        }
+    def kernels(self, platform: str | None = None, slots: int | None = None) -> Kernels:
+        """The kernels a program of ``slots`` slots (default ``self.slots``) on ``platform``
+        (default: JAX's default backend) runs: every 'auto' made (``resolved``), the speech
+        decoder's spelled out."""
+        r = self.resolved(platform, slots)
+        return Kernels(r.ssm_kernel, r.attention, r.tts_attention or r.attention, r.projection)
 
     @property
     def beat_ms(self) -> float:

@@ -209,10 +209,10 @@ class Engine:
             raise ValueError("a mesh runs the whole tick as one program: staged=False")
         per_device = serve.slots if mesh is None else mesh_lib.check_slots(serve.slots, mesh)
         platform = None if mesh is None else mesh.devices.flat[0].platform
-        # The kernels the tick runs at this engine's slots ('auto' made; ``step.tick`` makes it
-        # as it traces, so a smaller bucket of a ``BucketEngine`` may choose otherwise).
-        self.kernels = serve.resolved(platform, per_device).kernels()
-        logging.info("kernels: %s", self.kernels)
+        # The kernels this engine's programs run ('auto' made once, for one device's slots; a
+        # ``BucketEngine`` chooses per bucket).
+        self.kernels = serve.kernels(platform, per_device)
+        logging.info("kernels: %s", self.kernels.row())
         if mesh is not None:
             params = mesh_lib.put_replicated(params, mesh)
         self.params = params
@@ -291,7 +291,7 @@ class Engine:
             t = time.perf_counter()
             args = (self.params, self.state, self.template, self.empty_beat(), self.empty_masks())
             if self.staged:
-                staged = step_lib.make_staged(self.cfg, self.serve)
+                staged = step_lib.make_staged(self.cfg, self.serve, self.kernels)
                 slot = jax.ShapeDtypeStruct((), np.int32)
                 U = self.serve.capsule_tokens
                 capsule = jax.ShapeDtypeStruct((U,), np.int32)
@@ -315,9 +315,10 @@ class Engine:
                 _log_compiled("empty roll-over", self._staged.restart, self.memory)
                 _log_compiled("capsule prefill", self._staged.lane, self.memory)
             elif self.mesh is None:
-                self._tick = step_lib.make_tick(self.cfg, self.serve).lower(*args).compile()
+                tick = step_lib.make_tick(self.cfg, self.serve, self.kernels)
+                self._tick = tick.lower(*args).compile()
             else:
-                jitted = mesh_lib.make_tick(self.cfg, self.serve, self.mesh)
+                jitted = mesh_lib.make_tick(self.cfg, self.serve, self.mesh, self.kernels)
                 self._tick = jitted.lower(*args).compile()
             self.compile_s = time.perf_counter() - t
             _log_compiled("tick", self._tick, self.memory)
@@ -478,7 +479,9 @@ class Engine:
             if self._warming_resident is None:
                 self._resident_host[1](i, out)
 
-        fn = step_lib.make_resident(self.cfg, self.serve, next_or_stop, deliver_unless_warming)
+        fn = step_lib.make_resident(
+            self.cfg, self.serve, next_or_stop, deliver_unless_warming, self.kernels
+        )
         args = (self.params, self.state, self.template, self.empty_beat(), self.empty_masks())
         compiled = fn.lower(*args).compile()
         self.compile_s = time.perf_counter() - t

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
-from voicechat_jax.config import ModelConfig, ServeConfig
+from voicechat_jax.config import Kernels, ModelConfig, ServeConfig
 from voicechat_jax.model import llm_shard, nano_tp, voicechat
 
 DATA = "data"  # the mesh axis the slots are split over
@@ -277,7 +277,9 @@ def _state_builder(slots: int, mesh: Mesh, treedef, specs: tuple[P, ...]) -> Cal
     return jax.jit(functools.partial(state_lib.from_template, slots=slots), out_shardings=out)
 
 
-def make_tick(cfg: ModelConfig, serve: ServeConfig, mesh: Mesh) -> Callable:
+def make_tick(
+    cfg: ModelConfig, serve: ServeConfig, mesh: Mesh, kernels: Kernels | None = None
+) -> Callable:
     """The tick over ``mesh``: ``tick(params, state, template, beat, masks)``, argument 1 donated.
 
     Each device runs ``step.tick`` on its ``B / n`` slots with the replicated weights and
@@ -296,7 +298,9 @@ def make_tick(cfg: ModelConfig, serve: ServeConfig, mesh: Mesh) -> Callable:
 
     def tick(params, state, template, beat, masks):  # step.CompileCounter("tick") counts it
         with serve.precision.scope():
-            return step_lib.tick(params, state, template, beat, masks, cfg=local, serve=serve)
+            return step_lib.tick(
+                params, state, template, beat, masks, cfg=local, serve=serve, kernels=kernels
+            )
 
     specs = (param_specs(mesh), state_specs(cfg, mesh), template_specs(cfg, mesh), P(DATA), P(DATA))
     per_device = shard_map(tick, mesh=mesh, in_specs=specs, out_specs=(specs[1], P(DATA)))

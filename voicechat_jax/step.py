@@ -36,7 +36,7 @@ import numpy as np
 from flax import struct
 from jax.experimental import io_callback
 
-from voicechat_jax.config import PAD_ID, ModelConfig, ServeConfig
+from voicechat_jax.config import PAD_ID, Kernels, ModelConfig, ServeConfig
 from voicechat_jax.model import nano, voicechat
 from voicechat_jax.state import BeatInput, BeatOutput, SessionState, SlotMasks
 
@@ -260,6 +260,7 @@ def tick(
     *,
     cfg: ModelConfig,
     serve: ServeConfig,
+    kernels: Kernels | None = None,
     staged: bool = False,
     lane: CapsuleLane | None = None,
 ) -> tuple[SessionState, BeatOutput]:
@@ -273,6 +274,9 @@ def tick(
       beat: the host's input for this beat; only ``audio``, ``key`` (of the admitted slots) and
         ``capsule`` (of the rolled ones) are read.
       masks: the beat's decisions (``slot_rule.SlotRule.decide``): the tick decides nothing.
+      kernels: the kernels this program runs (``config.Kernels``, chosen where the program is
+        built: ``Engine``); None, for a tick called directly: ``serve.kernels`` for the slots
+        it is traced with.
 
     Returns:
       The new state and the beat's outputs. The slots in ``masks.admit`` get the template, those
@@ -307,9 +311,8 @@ def tick(
         )
     if serve.hold_full:
         model = hold_full(model, fpt, masks.live)
-    # 'auto' kernels for the backend traced for and the slots this program runs (a bucket's, or
-    # one device's under a mesh).
-    serve = serve.resolved(slots=masks.ran.shape[0])
+    if kernels is None:
+        kernels = serve.kernels(slots=masks.ran.shape[0])
     model, frames = voicechat.advance(
         params,
         model,
@@ -319,10 +322,7 @@ def tick(
         cfg=cfg,
         precision=serve.precision,
         deterministic=serve.deterministic,
-        attention=serve.attention,
-        tts_attention=serve.tts_attention,
-        ssm_kernel=serve.ssm_kernel,
-        projection=serve.projection,
+        kernels=kernels,
     )
     # A slot live after the beat was live before it or admitted: computed from the state's own
     # flags, ``active`` is written where they lie (an unread donated input would be dropped
@@ -340,9 +340,10 @@ def tick(
     return new_state, out
 
 
-def make_tick(cfg: ModelConfig, serve: ServeConfig) -> Callable:
-    """The jitted tick for one server configuration; argument 1 (the state) is donated."""
-    return jax.jit(_in_scope(tick, cfg=cfg, serve=serve), donate_argnums=(1,))
+def make_tick(cfg: ModelConfig, serve: ServeConfig, kernels: Kernels | None = None) -> Callable:
+    """The jitted tick for one server configuration and its kernels; argument 1 (the state) is
+    donated."""
+    return jax.jit(_in_scope(tick, cfg=cfg, serve=serve, kernels=kernels), donate_argnums=(1,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,7 +368,9 @@ class StagedPrograms:
     tick: Callable
 
 
-def make_staged(cfg: ModelConfig, serve: ServeConfig) -> StagedPrograms:
+def make_staged(
+    cfg: ModelConfig, serve: ServeConfig, kernels: Kernels | None = None
+) -> StagedPrograms:
     """The jitted programs of the staged dispatch tick for one server configuration."""
     precision = serve.precision
     return StagedPrograms(
@@ -376,7 +379,10 @@ def make_staged(cfg: ModelConfig, serve: ServeConfig) -> StagedPrograms:
         restart=jax.jit(restart_slot, donate_argnums=(0,)),
         swap=jax.jit(swap_slot, donate_argnums=(0,)),
         lane=jax.jit(_in_scope(prefill_lane, cfg=cfg, precision=precision)),
-        tick=jax.jit(_in_scope(tick, cfg=cfg, serve=serve, staged=True), donate_argnums=(1,)),
+        tick=jax.jit(
+            _in_scope(tick, cfg=cfg, serve=serve, kernels=kernels, staged=True),
+            donate_argnums=(1,),
+        ),
     )
 
 
@@ -404,6 +410,7 @@ def resident_loop(
     deliver: Callable[..., None],
     cfg: ModelConfig,
     serve: ServeConfig,
+    kernels: Kernels | None = None,
 ) -> SessionState:
     """Run ticks on the device until the host says stop; returns the final state.
 
@@ -419,7 +426,9 @@ def resident_loop(
 
     def body(carry):
         k, s, beat, masks, _, lane = carry
-        s, out = tick(params, s, template, beat, masks, cfg=cfg, serve=serve, lane=lane)
+        s, out = tick(
+            params, s, template, beat, masks, cfg=cfg, serve=serve, kernels=kernels, lane=lane
+        )
         leaves, treedef = jax.tree_util.tree_flatten(out)
 
         def deliver_host(kk, *host_leaves):
@@ -468,7 +477,11 @@ def _next_lane(params, template, beat: BeatInput, lane: CapsuleLane, token, *, c
     )
 
 
-def make_resident(cfg: ModelConfig, serve: ServeConfig, next_beat, deliver):
+def make_resident(
+    cfg: ModelConfig, serve: ServeConfig, next_beat, deliver, kernels: Kernels | None = None
+):
     """The jitted resident loop; the state (argument 1) is donated."""
-    fn = _in_scope(resident_loop, next_beat=next_beat, deliver=deliver, cfg=cfg, serve=serve)
+    fn = _in_scope(
+        resident_loop, next_beat=next_beat, deliver=deliver, cfg=cfg, serve=serve, kernels=kernels
+    )
     return jax.jit(fn, donate_argnums=(1,))

@@ -172,7 +172,7 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "loop": loop,
-        **engine.kernels,  # as the engine chose them ('auto' made)
+        **engine.kernels.row(),  # as the engine chose them ('auto' made)
         "sessions": sessions,
         "context_frames": FLAGS.context_frames,
         "clock": FLAGS.clock,

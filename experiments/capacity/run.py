@@ -51,7 +51,7 @@ def baseline(params, cfg, precision, template, ticks: int) -> dict:
     p99 = float(np.percentile(times, 99))
     return {
         "kind": "baseline",
-        **engine.kernels,
+        **engine.kernels.row(),
         "ms_p50": float(np.median(times)),
         "ms_p99": p99,
         "sessions_held": int(period // p99),
@@ -83,7 +83,7 @@ def main(argv):
             try:
                 engine = beat_latency.make_engine(params, cfg, precision, n, template)
             except Exception as e:  # a count that does not fit is a result
-                kernels = beat_latency.serve_config(precision, n).resolved().kernels()
+                kernels = beat_latency.serve_config(precision, n).kernels().row()
                 beat_latency.write_row(
                     {"kind": "error", **tag, **kernels, "sessions": n, "error": str(e)[:300]}
                 )
@@ -97,7 +97,7 @@ def main(argv):
             point = {
                 "kind": "probe",
                 **tag,
-                **engine.kernels,
+                **engine.kernels.row(),
                 "sessions": n,
                 "tick_ms_p50": beat_ms,
                 "tick_ms_max": float(times.max()),

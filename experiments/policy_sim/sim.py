@@ -611,7 +611,7 @@ def auto_config(slots: int) -> dict:
     """The engine's GPU default: the ``auto`` kernels as ``ServeConfig.resolved`` picks them on a
     GPU at ``slots`` (``config.AUTO_KERNELS``; all XLA on the 1-slot baseline engine), full fp32
     codec products (the faithful ``reference`` policy)."""
-    k = config_lib.ServeConfig(slots=slots).resolved(platform="gpu", slots=slots).kernels()
+    k = config_lib.ServeConfig(slots=slots).kernels(platform="gpu", slots=slots).row()
     return {f: k[f] for f in ("ssm_kernel", "attention", "tts_attention")} | {
         "codec_matmul": "float32"
     }

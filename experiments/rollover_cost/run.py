@@ -104,8 +104,8 @@ def measure(engine: Engine, rolled: int, capsule_len: int) -> dict:
         "capsule_tokens": FLAGS.capsule_tokens,
         "capsule_len": capsule_len,
         "device": str(jax.devices()[0]),
-        "ssm_kernel": engine.kernels["ssm_kernel"],  # as the engine chose them ('auto' made)
-        "attention": engine.kernels["attention"],
+        "ssm_kernel": str(engine.kernels.ssm_kernel),  # as the engine chose them ('auto' made)
+        "attention": str(engine.kernels.attention),
         "plain_p50_ms": _ms(plain, 50),
         "plain_p99_ms": _ms(plain, 99),
         "rollover_p50_ms": _ms(roll, 50),

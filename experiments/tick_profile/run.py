@@ -152,7 +152,7 @@ def profile_slots(n: int, params, cfg, template, out_dir: pathlib.Path, rows: Ro
     )
     engine = Engine(params, cfg, serve, template=template)
     template, state, memory = engine.template, engine.state, engine.memory
-    kernels, template_s = engine.kernels, engine.template_s
+    kernels, template_s = engine.kernels.row(), engine.template_s
     engine.state = None  # the state is this function's now: the programs below donate it
     del engine
     programs = step_lib.make_staged(cfg, serve)

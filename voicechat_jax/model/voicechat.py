@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from voicechat_jax.config import PAD_ID, ModelConfig
+from voicechat_jax.config import PAD_ID, XLA_KERNELS, Kernels, ModelConfig
 from voicechat_jax.model import codec, conformer, ear_tts, nano, rnnt
 from voicechat_jax.precision import Precision
 
@@ -121,16 +121,12 @@ def listen_frame(
     run=None,
     *,
     cfg,
-    ssm_kernel="xla",
-    attention="xla",
-    projection="xla",
+    kernels: Kernels = XLA_KERNELS,
 ):
     """One LLM frame: input sum, Nano step, greedy heads (``DuplexSTTStreamingInference``).
 
-    ``run`` [B] bool masks the state update (``nano.step``); ``ssm_kernel`` ('xla' | 'pallas' |
-    'fused'), ``attention`` ('xla' | 'cudnn' | 'pallas' | 'pallas_mha') and ``projection``
-    ('xla' | 'pallas'), all static, pick the Mamba step update, the attention layers'
-    implementation and the MLP and Mamba projections'.
+    ``run`` [B] bool masks the state update (``nano.step``); ``kernels`` (static) picks the Mamba
+    step update, the attention layers' implementation and the MLP and Mamba projections'.
     """
     e = nano.input_embedding(params.llm, text_prev, func_prev, audio_proj, cfg=cfg.llm)
     llm_state, h = nano.step(
@@ -139,9 +135,9 @@ def listen_frame(
         e,
         run,
         cfg=cfg.llm,
-        ssm_kernel=ssm_kernel,
-        attention=attention,
-        projection=projection,
+        ssm_kernel=kernels.ssm_kernel,
+        attention=kernels.attention,
+        projection=kernels.projection,
     )
     text, func = nano.greedy(params.llm, h)
     return llm_state, text, func, h
@@ -170,10 +166,7 @@ def advance(
     cfg: ModelConfig,
     precision: Precision,
     deterministic: bool,
-    attention: str = "xla",
-    tts_attention: str | None = None,
-    ssm_kernel: str = "xla",
-    projection: str = "xla",
+    kernels: Kernels = XLA_KERNELS,
 ) -> tuple[FrameState, FrameOutputs]:
     """Advance the rows in ``run`` by ``T = audio.shape[1] // 1280`` frames, in place.
 
@@ -185,14 +178,9 @@ def advance(
         bit-identical: each update masks itself where it happens (no select over the whole
         state), so under ``jit`` with the state donated the state is updated in place. Their
         outputs are meaningless.
-      attention: the LLM's decode-step attention, 'xla' | 'cudnn' | 'pallas' | 'pallas_mha'
-        (``ServeConfig.attention``, ``model.attention``).
-      tts_attention: the speech decoder's, the same choices; None: as ``attention``
-        (``ServeConfig.tts_attention``).
-      ssm_kernel: the LLM's Mamba step update, 'xla' | 'pallas' | 'fused'
-        (``ServeConfig.ssm_kernel``).
-      projection: the LLM's MLP and Mamba projections, 'xla' | 'pallas'
-        (``ServeConfig.projection``).
+      kernels: the kernels (static, ``config.Kernels``, every choice made: ``ServeConfig.kernels``):
+        the LLM's Mamba step update and decode attention (``model.attention``), the speech
+        decoder's attention, and the LLM's MLP and Mamba projections.
     """
     B = audio.shape[0]
     run = jnp.ones((B,), bool) if run is None else run
@@ -217,9 +205,7 @@ def advance(
             a_t,
             run,
             cfg=cfg,
-            ssm_kernel=ssm_kernel,
-            attention=attention,
-            projection=projection,
+            kernels=kernels,
         )
         frame_keys = None if deterministic else _frame_keys(key, frame)
         tts_state, codes, dec_codes = ear_tts.tts_step(
@@ -230,7 +216,7 @@ def advance(
             run,
             cfg=cfg,
             deterministic=deterministic,
-            attention=attention if tts_attention is None else tts_attention,
+            attention=kernels.tts_attention,
         )
         text_prev, func_prev = keep_rows(run, (text, func), (text_prev, func_prev))
         return (llm_state, tts_state, text_prev, func_prev, frame + step), (
