@@ -153,7 +153,6 @@ def test_build_engine_wraps_the_policy_in_admission_control_only_when_asked(monk
             self.serve, self.kw = serve, kw
 
     monkeypatch.setattr(runner, "Engine", FakeEngine)
-    monkeypatch.setattr(runner, "BucketEngine", FakeEngine)
     serve = ServeConfig(slots=8, frames_per_tick=2)
 
     def policy(**kw):
@@ -221,7 +220,7 @@ def engine(params):
 @pytest.fixture(scope="module")
 def bucket_engine(params, engine):
     """Buckets of 1 and 2 slots; the 2-slot tick is the fixed engine's (one compile saved)."""
-    e = buckets_lib.BucketEngine(
+    e = Engine(
         params, CFG, SERVE, buckets=(1, 2), template=engine.template,
         ticks={2: engine.compile_tick()},
     )  # fmt: skip
@@ -467,9 +466,7 @@ def test_network_session_waits_in_the_queue_then_is_admitted(engine):
 
 
 def test_buckets_need_a_bucket_engine(engine):
-    with pytest.raises(ValueError, match="need a BucketEngine"):
+    with pytest.raises(ValueError, match="need an engine compiled for them"):
         Server(engine, clock="offline", scheduler=sched.SlotBuckets((1, 2)))
     with pytest.raises(ValueError, match="end at 2"):
-        buckets_lib.BucketEngine(
-            engine.params, CFG, SERVE, buckets=(1, 4), template=engine.template
-        )
+        Engine(engine.params, CFG, SERVE, buckets=(1, 4), template=engine.template)

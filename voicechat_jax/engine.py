@@ -15,15 +15,18 @@ says otherwise); a server that should use the whole card sets ``XLA_PYTHON_CLIEN
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
+from voicechat_jax import buckets as buckets_lib
 from voicechat_jax import mesh as mesh_lib
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
@@ -167,7 +170,13 @@ class _Lane:
 
 
 class Engine:
-    """The device side: params, template, slot state and the compiled tick."""
+    """The device side: params, template, slot state, the slot rule and the compiled programs.
+
+    Its modes are data: the slot counts it compiles (``buckets``: one, or a few that a
+    ``scheduler.SlotBuckets`` moves the sessions between), the mesh its slots split over (only
+    shardings), whether a beat's admissions and roll-overs run as their own programs (``staged``)
+    and the kernels each program runs (``Kernels``, per bucket).
+    """
 
     def __init__(
         self,
@@ -179,6 +188,8 @@ class Engine:
         memory_limit_bytes: int | None = None,
         mesh: Mesh | None = None,
         staged: bool | None = None,
+        buckets: Sequence[int] | None = None,
+        ticks: Mapping[int, object] | None = None,
     ):
         """Builds the template (unless given), checks the memory plan, allocates the state.
 
@@ -197,21 +208,37 @@ class Engine:
             before a tick with no loop whose trip count the device
             decides (``step.make_staged``). On a GPU the tick's call then returns without waiting
             for the device, so the host's dispatch stage measures the host alone. Same outputs
-            bit for bit. Default: on one device; a mesh runs the whole tick as one program.
+            bit for bit. Default: on one device with one bucket; a mesh and buckets run the
+            whole tick as one program.
+          buckets: slot counts to compile a tick for, the largest ``serve.slots`` (the host's slot
+            table); the state starts in the smallest, and ``place`` moves it between them (one
+            device). Default: ``serve.slots`` alone. See ``voicechat_jax.buckets``.
+          ticks: ticks already compiled for some of the buckets, by slot count: the
+            ``compile_tick()`` of an engine with ``staged=False``, this ``cfg``, ``params``,
+            ``template`` and ``serve`` but for ``slots`` (one compile saved per bucket).
 
         Raises:
           MemoryPlanError: the slots do not fit; the message names the bytes needed and the
             largest slot count that fits.
         """
+        b = (serve.slots,) if not buckets else tuple(sorted({int(x) for x in buckets}))
+        if b[0] < 1 or b[-1] != serve.slots:
+            raise ValueError(f"buckets {tuple(buckets)} must be >= 1 and end at {serve.slots}")
+        if len(b) > 1 and mesh is not None:
+            raise ValueError("slot buckets serve one device (a mesh splits one bucket)")
+        self.buckets = b
+        self.bucket = b[0]  # the state's slot count now
         self.mesh = mesh
-        self.staged = mesh is None if staged is None else staged
-        if self.staged and mesh is not None:
-            raise ValueError("a mesh runs the whole tick as one program: staged=False")
+        self.staged = mesh is None and len(b) == 1 if staged is None else staged
+        if self.staged and (mesh is not None or len(b) > 1):
+            raise ValueError("a mesh or slot buckets run the whole tick as one program")
         per_device = serve.slots if mesh is None else mesh_lib.check_slots(serve.slots, mesh)
         platform = None if mesh is None else mesh.devices.flat[0].platform
-        # The kernels this engine's programs run ('auto' made once, for one device's slots; a
-        # ``BucketEngine`` chooses per bucket).
-        self.kernels = serve.kernels(platform, per_device)
+        # The kernels each bucket's programs run ('auto' made once, for one device's slots).
+        self.bucket_kernels = {
+            x: serve.kernels(platform, per_device if mesh is not None else x) for x in b
+        }
+        self.kernels = self.bucket_kernels[serve.slots]
         logging.info("kernels: %s", self.kernels.row())
         if mesh is not None:
             params = mesh_lib.put_replicated(params, mesh)
@@ -237,13 +264,25 @@ class Engine:
         )
         if not self.memory.fits:
             raise MemoryPlanError(f"the state does not fit: {self.memory.describe()}")
+        if len(b) > 1:
+            peak = plan_memory(self.template, b[-1] + b[-2], limit_bytes=memory_limit_bytes)
+            if not peak.fits:
+                raise MemoryPlanError(
+                    f"a move into the largest bucket holds two states at once: {peak.describe()}"
+                )
         logging.info("memory plan: %s", self.memory.describe())
         self.state = self._fresh_state()
         # The slot rule and the host's copy of every slot's fills (None: read back from the
         # device at the next beat, after the state was set from outside).
         self._rule: SlotRule | None = SlotRule.fresh(self.template, serve.slots)
         self.samples_per_beat = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
-        self._tick = None
+        self._given = dict(ticks or {})
+        self._ticks: dict[int, object] = {}  # bucket -> its compiled tick
+        self._pads: dict[int, object] = {}  # bucket below the slots -> its outputs' pad
+        self._resizes: dict[tuple[int, int], object] = {}  # (bucket, bucket) -> the move
+        self.compiles = 0  # bucketed: programs compiled (ticks, pads, resizes)
+        self.moved_slots = 0  # slots copied by moves (the kept ones)
+        self.move_s: list[float] = []  # host seconds to dispatch each move (not device time)
         self._staged: step_lib.StagedPrograms | None = None
         self._lanes: dict[int, _Lane] = {}  # staged: slot -> its capsule, prefilled last beat
         self._warmed = False
@@ -269,14 +308,16 @@ class Engine:
         self._lanes = {}
 
     def reset(self) -> None:
-        """Every slot back to the fresh template, none live (the compiled tick is kept)."""
+        """Every slot back to the fresh template, none live, in the smallest bucket (the compiled
+        programs are kept)."""
         self.state = None  # drop the old state first: two states need not fit side by side
+        self.bucket = self.buckets[0]
         self.state = self._fresh_state()
         self._rule = SlotRule.fresh(self.template, self.serve.slots)
 
     def _fresh_state(self) -> state_lib.SessionState:
         if self.mesh is None:
-            return state_lib.from_template(self.template, self.serve.slots)
+            return state_lib.from_template(self.template, self.bucket)
         return mesh_lib.state_from_template(self.template, self.serve.slots, self.mesh)
 
     def empty_beat(self) -> state_lib.BeatInput:
@@ -284,57 +325,118 @@ class Engine:
             self.serve.slots, self.samples_per_beat, self.serve.capsule_tokens
         )
 
-    def compile_tick(self):
-        """Compiles the dispatch tick once (staged: with its admission and roll-over programs);
-        returns the tick's executable."""
-        if self._tick is None:
-            t = time.perf_counter()
-            args = (self.params, self.state, self.template, self.empty_beat(), self.empty_masks())
-            if self.staged:
-                staged = step_lib.make_staged(self.cfg, self.serve, self.kernels)
-                slot = jax.ShapeDtypeStruct((), np.int32)
-                U = self.serve.capsule_tokens
-                capsule = jax.ShapeDtypeStruct((U,), np.int32)
-                self._staged = step_lib.StagedPrograms(
-                    admit=staged.admit.lower(self.state, self.template, slot).compile(),
-                    reseed=staged.reseed.lower(
-                        self.params, self.state, self.template, slot, capsule, slot
-                    ).compile(),
-                    restart=staged.restart.lower(self.state, self.template, slot).compile(),
-                    swap=staged.swap.lower(
-                        self.state, self.template, slot, self.template.llm
-                    ).compile(),
-                    lane=staged.lane.lower(
-                        self.params, self.template, capsule, slot, slot
-                    ).compile(),
-                    tick=staged.tick.lower(*args).compile(),
-                )
-                self._tick = self._staged.tick
-                _log_compiled("admission", self._staged.admit, self.memory)
-                _log_compiled("roll-over", self._staged.reseed, self.memory)
-                _log_compiled("empty roll-over", self._staged.restart, self.memory)
-                _log_compiled("capsule prefill", self._staged.lane, self.memory)
-            elif self.mesh is None:
-                tick = step_lib.make_tick(self.cfg, self.serve, self.kernels)
-                self._tick = tick.lower(*args).compile()
-            else:
-                jitted = mesh_lib.make_tick(self.cfg, self.serve, self.mesh, self.kernels)
-                self._tick = jitted.lower(*args).compile()
-            self.compile_s = time.perf_counter() - t
-            _log_compiled("tick", self._tick, self.memory)
-        return self._tick
+    def _lowering_args(self, slots: int) -> tuple:
+        """(params, state, template, beat, masks) to lower a tick of ``slots`` slots with."""
+        beat, masks = jax.tree_util.tree_map(
+            lambda x: x[:slots], (self.empty_beat(), self.empty_masks())
+        )
+        if slots == self.bucket:
+            state = self.state  # as placed (a mesh's shardings)
+        else:
+            state = jax.eval_shape(lambda t: state_lib.from_template(t, slots), self.template)
+        return self.params, state, self.template, beat, masks
 
-    buckets: tuple[int, ...] = ()  # slot counts compiled apart (``BucketEngine``); (): one tick
+    def compile_tick(self):
+        """Compiles every bucket's programs once, before the clock starts (staged: the tick with
+        its admission and roll-over programs; bucketed: each bucket's tick, its outputs' pad and
+        every move); returns the current bucket's tick."""
+        if not self._ticks:
+            t = time.perf_counter()
+            for b in self.buckets:
+                self._ticks[b] = self._compile_bucket(b)
+            if len(self.buckets) > 1:
+                for b in self.buckets:
+                    state_b = self._lowering_args(b)[1]
+                    for c in self.buckets:
+                        if c != b:
+                            src = jax.ShapeDtypeStruct((c,), jnp.int32)
+                            low = buckets_lib.resize_jit.lower(state_b, self.template, src, slots=c)
+                            self._resizes[(b, c)] = low.compile()
+                given = sum(b in self._given for b in self.buckets)
+                self.compiles = len(self._ticks) - given + len(self._pads) + len(self._resizes)
+            self.compile_s = time.perf_counter() - t
+            if len(self.buckets) > 1:
+                logging.info(
+                    "bucket engine: %d ticks (%s slots), %d pads, %d resizes compiled in %.1f s",
+                    len(self._ticks),
+                    ",".join(map(str, self.buckets)),
+                    len(self._pads),
+                    len(self._resizes),
+                    self.compile_s,
+                )
+        return self._ticks[self.bucket]
+
+    def _compile_bucket(self, b: int):
+        """Bucket ``b``'s tick (and, staged, its one-slot programs; below the slots, its outputs'
+        pad), compiled."""
+        args = self._lowering_args(b)
+        kernels = self.bucket_kernels[b]
+        if b in self._given:
+            tick = self._given[b]
+        elif self.staged:
+            staged = step_lib.make_staged(self.cfg, self.serve, kernels)
+            slot = jax.ShapeDtypeStruct((), np.int32)
+            capsule = jax.ShapeDtypeStruct((self.serve.capsule_tokens,), np.int32)
+            state, template = args[1], self.template
+            self._staged = step_lib.StagedPrograms(
+                admit=staged.admit.lower(state, template, slot).compile(),
+                reseed=staged.reseed.lower(
+                    self.params, state, template, slot, capsule, slot
+                ).compile(),
+                restart=staged.restart.lower(state, template, slot).compile(),
+                swap=staged.swap.lower(state, template, slot, template.llm).compile(),
+                lane=staged.lane.lower(self.params, template, capsule, slot, slot).compile(),
+                tick=staged.tick.lower(*args).compile(),
+            )
+            tick = self._staged.tick
+            _log_compiled("admission", self._staged.admit, self.memory)
+            _log_compiled("roll-over", self._staged.reseed, self.memory)
+            _log_compiled("empty roll-over", self._staged.restart, self.memory)
+            _log_compiled("capsule prefill", self._staged.lane, self.memory)
+        elif self.mesh is None:
+            tick = step_lib.make_tick(self.cfg, self.serve, kernels).lower(*args).compile()
+        else:
+            jitted = mesh_lib.make_tick(self.cfg, self.serve, self.mesh, kernels)
+            tick = jitted.lower(*args).compile()
+        if b < self.serve.slots:
+            jitted = step_lib.make_tick(self.cfg, self.serve, kernels)
+            out_b = jax.eval_shape(jitted, *args)[1]
+            pad = jax.jit(functools.partial(buckets_lib.pad_slots, slots=self.serve.slots))
+            self._pads[b] = pad.lower(out_b).compile()
+        _log_compiled(f"tick ({b} slots)", tick, self.memory)
+        return tick
 
     def place(self, plan) -> None:
-        """Puts the state where a scheduler's ``BeatPlan`` runs it. A fixed engine holds every
-        slot in its one compiled tick: nothing to move (a plan that moves sessions or picks
-        another slot count needs a ``buckets.BucketEngine``)."""
-        if plan.moves or plan.bucket != self.serve.slots:
+        """Moves the state into ``plan.bucket`` slots with ``plan.moves`` (a
+        ``scheduler.BeatPlan`` whose moves the slot table has had); a no-op if nothing changes.
+        The slot rule's copy moves with it."""
+        if plan.bucket == self.bucket and not plan.moves:
+            return
+        if plan.bucket not in self.buckets:
             raise ValueError(
-                f"a plan of bucket {plan.bucket} with {len(plan.moves)} move(s) needs a "
-                f"BucketEngine; this engine runs {self.serve.slots} slots in one tick"
+                f"a plan of bucket {plan.bucket} with {len(plan.moves)} move(s) needs an engine "
+                f"compiled for that bucket; this one has {self.buckets}"
             )
+        if len(self.buckets) == 1:
+            raise ValueError(f"moves need an engine with slot buckets; this one has {self.buckets}")
+        self.compile_tick()
+        src = buckets_lib.source_slots(
+            self.bucket, plan.bucket, [(m.src, m.dst) for m in plan.moves]
+        )
+        t = time.perf_counter()
+        rule = self.rule
+        if plan.bucket == self.bucket:  # moves inside one bucket: compiled on first use
+            self._state = buckets_lib.resize_jit(self._state, self.template, src, slots=plan.bucket)
+        else:
+            move = self._resizes[(self.bucket, plan.bucket)]
+            self._state = move(self._state, self.template, src)
+        host_src = np.full((self.serve.slots,), -1, np.int32)
+        host_src[: plan.bucket] = src
+        rule.move(host_src)
+        self.move_s.append(time.perf_counter() - t)
+        self.moved_slots += int(np.sum(src >= 0))
+        logging.debug("slots %d -> %d, moves %s", self.bucket, plan.bucket, plan.moves)
+        self.bucket = plan.bucket
 
     def empty_masks(self) -> state_lib.SlotMasks:
         """The masks of ``empty_beat`` on a fresh engine (nothing live, nothing changes): the
@@ -343,10 +445,15 @@ class Engine:
 
     @property
     def rule(self) -> SlotRule:
-        """The slot rule with the host's copy of every slot's live flag and fills, as the next
-        beat will find them (read back from the device if the state was set from outside)."""
+        """The slot rule with the host's copy of every slot's live flag and fills (over the
+        host's ``serve.slots``: those past the bucket are free), as the next beat will find them
+        (read back from the device if the state was set from outside)."""
         if self._rule is None:
-            self._rule = SlotRule.read(self._state, self.template)
+            rule = SlotRule.fresh(self.template, self.serve.slots)
+            read = SlotRule.read(self._state, self.template)
+            for name in ("active", "llm_length", "tts_pos", "tts_frame"):
+                getattr(rule, name)[: self.bucket] = getattr(read, name)
+            self._rule = rule
         return self._rule
 
     def decide(self, beat: state_lib.BeatInput) -> state_lib.SlotMasks:
@@ -367,9 +474,12 @@ class Engine:
         admission and roll-over loops' bodies too, so that no later beat pays a first
         execution's one-time costs (on an H200 the first beats of every run in
         ``experiments/beat_latency`` and ``capacity`` took 0.7-1.3 s against 50-150 ms after).
-        Done once per engine; a server calls it before its clock starts.
+        Done once per engine; a server calls it before its clock starts. Not done with slot
+        buckets (the warm beats admit every slot, which the smallest bucket does not hold): each
+        bucket's tick is first executed while serving, and its first beat may carry one-time
+        costs.
         """
-        if self._warmed:
+        if self._warmed or len(self.buckets) > 1:
             return 0.0
         t = time.perf_counter()
         for beat in self._warm_beats():
@@ -404,15 +514,20 @@ class Engine:
         capsule is empty, from the lane when it was prefilled last beat), then the tick.
         """
         tick = self.compile_tick()
+        b, slots = self.bucket, self.serve.slots
+        if b < slots and np.any(np.asarray(beat.admit)[b:]):
+            raise ValueError(f"admission past the bucket of {b} slots")
         rule = self.rule
         self._rule = None  # until every program of the beat is dispatched
         masks = rule.decide(beat, self.serve)
         if not self.staged:
+            if b < slots:  # the rows past the bucket are free: not on the device this beat
+                beat, masks = jax.tree_util.tree_map(lambda x: x[:b], (beat, masks))
             if self.mesh is not None:  # each device gets its slots' rows
                 beat, masks = mesh_lib.put_beat((beat, masks), self.mesh)
             self._state, out = tick(self.params, self._state, self.template, beat, masks)
             self._rule = rule
-            return out
+            return self._pads[b](out) if b < slots else out
         programs = self._staged
         lanes, self._lanes = self._lanes, {}
         for b in np.flatnonzero(masks.admit):
@@ -458,6 +573,10 @@ class Engine:
             raise ValueError(
                 "the resident loop serves one device (its io_callbacks would route every beat "
                 "through device 0); on a mesh use the dispatch loop"
+            )
+        if len(self.buckets) > 1:
+            raise ValueError(
+                "slot buckets need the dispatch loop (a move happens between two ticks)"
             )
         self._resident_host = (next_beat, deliver)
         if self._resident is not None:

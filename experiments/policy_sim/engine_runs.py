@@ -110,7 +110,7 @@ def tick_ms(engine: Engine, ticks: int, *, live: int | None = None, warmup: int 
     """
     engine.reset()
     n = engine.serve.slots if live is None else live
-    if engine.buckets:  # a BucketEngine: the smallest bucket that holds them
+    if len(engine.buckets) > 1:  # slot buckets: the smallest bucket that holds them
         bucket = next(b for b in engine.buckets if b >= n)
         engine.place(BeatPlan(run=np.ones(engine.serve.slots, bool), bucket=bucket))
     beat = engine.empty_beat()

@@ -1,8 +1,8 @@
 """Slot buckets against one fixed slot count: cost at partial load, compiles, the cost of a move.
 
 Engine part (``--parts=engine``; tiny on the CPU for smoke rows, ``--model=voicechat_11b`` on the
-H200): a fixed ``Engine`` of the largest bucket and a ``buckets.BucketEngine`` (sharing its tick);
-times every bucket's tick back to back, every move between buckets (``BucketEngine.place``,
+H200): a fixed ``Engine`` of the largest bucket and an ``Engine`` with ``buckets`` (sharing its
+tick); times every bucket's tick back to back, every move between buckets (``Engine.place``,
 blocked on), counts the compiles, and serves the same churning sessions under ``Lockstep`` (fixed)
 and ``SlotBuckets`` on the real-time clock.
 
@@ -31,7 +31,6 @@ _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 from experiments.policy_sim import engine_runs as er  # noqa: E402
 from experiments.policy_sim import fits, sim  # noqa: E402
-from voicechat_jax.buckets import BucketEngine  # noqa: E402
 from voicechat_jax.engine import Engine  # noqa: E402
 from voicechat_jax.serving import scheduler as sched  # noqa: E402
 from voicechat_jax.serving.server import SessionPlan  # noqa: E402
@@ -100,7 +99,7 @@ def engine_part(rows: list[dict]) -> None:
     template = fixed.template
     fixed.state = None  # its state goes before the bucket engine's (they need not fit together)
     del fixed
-    engine = BucketEngine(params, cfg, serve, buckets=buckets, template=template,
+    engine = Engine(params, cfg, serve, buckets=buckets, template=template,
                           ticks=shared)  # fmt: skip
     engine.compile_tick()
     rows.append({**base, "kind": "compile", "engine": "buckets", "programs": engine.compiles,

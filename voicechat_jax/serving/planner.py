@@ -226,7 +226,7 @@ class BeatPlanner:
         for source in self.sources:
             source.feed(k, self.queues)
         schedule = self.scheduler.plan(k, self.slots, self.queues)  # moves sessions, if any
-        self.engine.place(schedule)  # a BucketEngine moves the state into the beat's bucket
+        self.engine.place(schedule)  # an engine with buckets moves the state into the beat's
         retarget(schedule.moves, admit, release, keys)
         live = self.slots.slot_sessions()
         silent = {sid: self.queues.backlog(sid) == 0 for sid in live if sid is not None}

@@ -25,7 +25,6 @@ from jax.sharding import AbstractMesh, Mesh
 from voicechat_jax import config as config_lib
 from voicechat_jax import mesh as mesh_lib
 from voicechat_jax import step as step_lib
-from voicechat_jax.buckets import BucketEngine
 from voicechat_jax.model import voicechat
 from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving import outdir
@@ -251,14 +250,15 @@ def build_engine(
     options: RunOptions, params, cfg, serve, mesh: Mesh | None = None
 ) -> tuple[Engine, scheduler_lib.Scheduler]:
     """The engine and the scheduler of ``options.scheduler``: ``lockstep`` on an ``Engine``
-    (over ``mesh`` if given); ``buckets`` on a ``BucketEngine`` (one device; its ticks compiled
-    before the clock starts). With ``options.max_live`` or ``options.admission_queue_s`` set, the
-    policy sits behind a ``scheduler.AdmissionControl``; otherwise it is the plain one."""
+    (over ``mesh`` if given); ``buckets`` on an ``Engine`` with those slot buckets (one device;
+    its ticks compiled before the clock starts). With ``options.max_live`` or
+    ``options.admission_queue_s`` set, the policy sits behind a ``scheduler.AdmissionControl``;
+    otherwise it is the plain one."""
     if scheduler_lib.Policy(options.scheduler) == scheduler_lib.Policy.BUCKETS:
         if mesh is not None:
             raise ValueError("slot buckets serve one device (--devices=1)")
         buckets = options.buckets or scheduler_lib.default_buckets(serve.slots)
-        engine = BucketEngine(params, cfg, serve, buckets=buckets)
+        engine = Engine(params, cfg, serve, buckets=buckets)
         policy = scheduler_lib.make("buckets", buckets=buckets, shrink_after=options.shrink_after)
     else:
         engine, policy = Engine(params, cfg, serve, mesh=mesh), scheduler_lib.Lockstep()

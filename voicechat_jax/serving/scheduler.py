@@ -8,9 +8,9 @@ the server's beat thread before each beat (docs/serving.md §7, "mechanism apart
   waits for a slot: the caller asks again next beat); or it raises ``CapacityError`` (refused,
   recorded in the ``SlotTable``).
 - ``plan(tick, slots, queues)``: a ``BeatPlan``: the run mask, the slot bucket (which compiled tick
-  runs: ``buckets.BucketEngine`` holds one per bucket, compiled before the clock starts) and the
-  sessions moved between slots with a bucket change. The scheduler applies the moves to the
-  ``SlotTable`` itself; the engine moves the device state (``BucketEngine.place``).
+  runs: an ``Engine`` with ``buckets`` holds one per bucket, compiled before the clock starts) and
+  the sessions moved between slots with a bucket change. The scheduler applies the moves to the
+  ``SlotTable`` itself; the engine moves the device state (``Engine.place``).
 
 Policies:
 
@@ -204,7 +204,7 @@ class WaitingWindow(Lockstep):
 class SlotBuckets:
     """Lockstep in the smallest of a few compiled slot buckets that holds the live sessions.
 
-    Needs a ``buckets.BucketEngine`` with the same buckets (the largest is ``n_slots``).
+    Needs an ``Engine`` with ``buckets`` with the same buckets (the largest is ``n_slots``).
     Admission takes the lowest free slot; a session admitted past the current bucket grows it at
     once (to the smallest bucket that holds the highest live slot). The bucket shrinks to the
     smallest that holds the live count once it has done so for ``shrink_after`` beats in a row

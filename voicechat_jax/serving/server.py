@@ -227,7 +227,10 @@ class Server:
             raise ValueError("the capsule limit is above the device's capsule room")
         scheduler = scheduler or Lockstep()
         if scheduler.buckets and scheduler.buckets != engine.buckets:
-            raise ValueError(f"scheduler buckets {scheduler.buckets} need a BucketEngine")
+            raise ValueError(
+                f"scheduler buckets {scheduler.buckets} need an engine compiled for them "
+                f"(Engine(buckets=...)); this one has {engine.buckets}"
+            )
         self._stop = stop_event or threading.Event()
         self._error: BaseException | None = None
         self._on_ready = on_ready

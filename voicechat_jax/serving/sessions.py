@@ -171,7 +171,8 @@ class SlotTable:
 
     def move(self, session_id: SessionId, slot: int) -> int:
         """Moves a live session to the free ``slot`` (a scheduler compacting the slots); returns
-        the slot it left. The device state must be moved with it (``buckets.BucketEngine``)."""
+        the slot it left. The device state must be moved with it (``Engine.place``, slot
+        buckets)."""
         with self._lock:
             session = self._by_id.get(session_id)
             if session is None:
