@@ -18,6 +18,7 @@ The kernel-level worst case, every cache held full on every tick with no roll-ov
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
@@ -45,6 +46,7 @@ flags.DEFINE_string("ssm_kernel", "auto", "ServeConfig.ssm_kernel.")
 flags.DEFINE_string("attention", "auto", "ServeConfig.attention.")
 flags.DEFINE_string("out", None, "Rows (JSON lines), appended as measured.")
 flags.DEFINE_string("output_dir", None, "Where each run writes its outputs (default: a temp dir).")
+flags.DEFINE_string("table", None, "Print the README table of these rows (JSON lines) and exit.")
 
 STAGES = ("wake", "prepare", "dispatch", "device", "pickup", "collect")
 
@@ -91,8 +93,38 @@ def row_of(result: runner.RunResult, n: int, loop: str, name: str, floor: float)
     }
 
 
+def table(rows: list[dict]) -> str:
+    """The README's table of ``user_path`` rows (markdown): one line per point, its commit."""
+    head = (
+        "| policy | sessions | loop | steady ticks | p50 / p99 / max ms | missed (host, device) "
+        "| p99 ms: prepare / dispatch / device / pickup | roll-overs | floor ms | holds | commit |"
+    )
+    lines = [head, "|---|---:|---|---:|---|---|---|---:|---:|---|---|"]
+    for r in rows:
+        if r.get("kind") != "user_path":
+            continue
+        st = r["stages_p99_ms"]
+        stages = " / ".join(
+            "-" if st.get(k) is None else f"{st[k]:.1f}"
+            for k in ("prepare", "dispatch", "device", "pickup")
+        )
+        cause = r["missed_by_cause"]
+        lines.append(
+            f"| {r['policy']} | {r['sessions']} | {r['loop']} | {r['steady_ticks']:,} "
+            f"| {r['p50_ms']:.1f} / {r['p99_ms']:.1f} / {r['max_ms']:.1f} "
+            f"| {r['missed_ticks']} ({cause['host']}, {cause['device']}) | {stages} "
+            f"| {r['rollovers']} | {r['floor_ms']:.1f} | {'yes' if r['holds'] else 'no'} "
+            f"| `{r['commit']}` |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv):
     del argv
+    if FLAGS.table:
+        with open(FLAGS.table) as f:
+            print(table([json.loads(line) for line in f if line.strip()]))
+        return
     rows = RowLog(FLAGS.out)
     out_root = FLAGS.output_dir or tempfile.mkdtemp(prefix="capacity_serve_")
     cfg = config_lib.PRESETS[FLAGS.model]()
