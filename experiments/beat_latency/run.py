@@ -6,6 +6,7 @@ missed ticks) and writes the rows as JSON lines to --out. See README.md beside t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
 from voicechat_jax import config as config_lib
 from voicechat_jax.engine import Engine
 from voicechat_jax.model import voicechat
@@ -218,8 +220,13 @@ def tick_times(engine: Engine, ticks: int, *, warmup: int = 0) -> np.ndarray:
     return np.asarray(times[warmup:])
 
 
+_provenance = functools.cache(harness.provenance)  # the same for every row of a run
+
+
 def write_row(row: dict) -> None:
-    """Logs a result row and appends it to ``--out`` as a JSON line."""
+    """Logs a result row and appends it to ``--out`` as a JSON line, with its provenance
+    (``experiments.harness``: commit, device, jax version, command, time)."""
+    row = {**row, **_provenance()}
     logging.info("%s", row)
     if FLAGS.out:
         with open(FLAGS.out, "a") as f:

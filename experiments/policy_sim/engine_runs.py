@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 
@@ -26,6 +25,7 @@ import jax
 import numpy as np
 from absl import flags, logging
 
+from experiments import harness
 from voicechat_jax import config as config_lib
 from voicechat_jax import precision as precision_lib
 from voicechat_jax.engine import Engine
@@ -37,21 +37,9 @@ _REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def provenance(model: str) -> dict:
-    """Model preset, device kind, jax version and the git commit of this checkout."""
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(_REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {
-        "model": model,
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "commit": commit,
-        **engine_flags(),
-    }
+    """Model preset and engine flags, with what every row carries (``experiments.harness``:
+    the commit, device, jax version, command and time)."""
+    return {"model": model, **harness.provenance(), **engine_flags()}
 
 
 def define_engine_flags() -> None:

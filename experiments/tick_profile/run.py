@@ -22,7 +22,6 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,6 +30,7 @@ import traceback
 
 from absl import app, flags, logging
 
+from experiments import harness
 from experiments.tick_profile import reduce as reduce_lib
 
 FLAGS = flags.FLAGS
@@ -57,15 +57,7 @@ ENV_KEYS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "JAX_COMPILATION_CACH
 
 
 def commit() -> str:
-    if FLAGS.commit:
-        return FLAGS.commit
-    try:
-        return subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return FLAGS.commit or harness.commit()
 
 
 SOURCES = "sources.json.gz"  # the repository files the HLO's frames name, as they were
