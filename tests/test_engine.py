@@ -299,11 +299,29 @@ def _write_float_wav(path, x, rate=16000):
         f.write(b"RIFF" + struct.pack("<I", len(body)) + body)
 
 
-@pytest.mark.parametrize("kind", ["rate", "stereo", "empty", "nan"])
-def test_bad_input_file_is_refused_clearly(tmp_path, kind):
-    """A bad file fails its session with a clear message; the others' outputs are unchanged."""
-    good = tmp_path / "good.wav"
+_BAD_INPUT_RUN = dict(
+    seconds=0.64, clock="offline", loop="dispatch", serve=ServeConfig(slots=2), warmup_ticks=0
+)
+
+
+@pytest.fixture(scope="module")
+def good_alone(tmp_path_factory):
+    """The good file served alone (the reference every bad-file run is checked against, once)."""
+    root = tmp_path_factory.mktemp("good_alone")
+    good = root / "good.wav"
     _write_wav(good, _speech(1, 50))
+    runner.run(
+        runner.RunOptions(
+            sessions=1, input_wavs=(str(good),), output_dir=str(root / "b"), **_BAD_INPUT_RUN
+        )
+    )
+    return good, root / "b" / "s000"
+
+
+@pytest.mark.parametrize("kind", ["rate", "stereo", "empty", "nan"])
+def test_bad_input_file_is_refused_clearly(tmp_path, kind, good_alone):
+    """A bad file fails its session with a clear message; the others' outputs are unchanged."""
+    good, alone = good_alone
     bad = tmp_path / f"bad_{kind}.wav"
     if kind == "rate":
         _write_wav(bad, _speech(1, 51), rate=8000)
@@ -315,25 +333,21 @@ def test_bad_input_file_is_refused_clearly(tmp_path, kind):
         x = _speech(1, 51)
         x[1000] = np.nan
         _write_float_wav(bad, x)
-    serve = ServeConfig(slots=2)
-    opts = dict(seconds=0.64, clock="offline", loop="dispatch", serve=serve, warmup_ticks=0)
     with_bad = runner.run(
         runner.RunOptions(
-            sessions=2, input_wavs=(str(good), str(bad)), output_dir=str(tmp_path / "a"), **opts
+            sessions=2,
+            input_wavs=(str(good), str(bad)),
+            output_dir=str(tmp_path / "a"),
+            **_BAD_INPUT_RUN,
         )
     )
     message = with_bad.failures["s001"]
     expected = {"rate": "8000", "stereo": "channel", "empty": "empty", "nan": "nan"}[kind]
     assert expected in message.lower()
     assert "s001" not in with_bad.outputs
-    runner.run(
-        runner.RunOptions(
-            sessions=1, input_wavs=(str(good),), output_dir=str(tmp_path / "b"), **opts
-        )
-    )
     for name in ("frames.jsonl", "output.wav"):
         a = (tmp_path / "a" / "s000" / name).read_bytes()
-        b = (tmp_path / "b" / "s000" / name).read_bytes()
+        b = (alone / name).read_bytes()
         assert a == b, name
 
 
