@@ -47,6 +47,25 @@ def provenance() -> dict:
     }
 
 
+def latency_fields(summary: dict) -> dict:
+    """The serving summary's beat latency, misses and host stages (``MetricsRecorder.summary``),
+    under the keys the capacity rows use."""
+    lat, stages = summary["latency_ms"], summary["host_stages_ms"]
+    return {
+        "steady_ticks": summary["ticks"],
+        "p50_ms": lat["p50"],
+        "p99_ms": lat["p99"],
+        "p99.9_ms": lat.get("p99.9"),
+        "max_ms": lat["max"],
+        "missed_ticks": summary["missed_ticks"],
+        "ticks_skipped": summary["ticks_skipped"],
+        "missed_by_cause": summary["missed_by_cause"],
+        "skipped_by_cause": summary["skipped_by_cause"],
+        "stage_p99_ms": {k: v["p99"] for k, v in stages.items()},
+        "stage_max_ms": {k: v["max"] for k, v in stages.items()},
+    }
+
+
 class RowLog:
     """JSON-lines rows appended to ``path`` as they are measured, each with the provenance."""
 

@@ -76,5 +76,7 @@ def test_frame_step_bytes_at_the_cap(policy, gb):
     assert step / 1e9 == pytest.approx(gb, abs=5e-4)
     tts_kv = 516_096 * 1500 // (1 if policy == "reference" else 2)
     assert step > 2 * 141_557_760 + 16_384 * 1500 + tts_kv
-    # The floor of a 96-slot beat: two frame-steps of 26.03 GB of weights and 96 slots at 3.7 TB/s.
-    assert byte_floor_ms(26.03e9, step, 96) == pytest.approx(2 * (26.03 + 96 * gb) / 3.7, rel=1e-3)
+    # The floor of a 96-slot beat: two frame-steps of the 26.03 GB of parameters and 96 slots
+    # at 3.7 TB/s.
+    floor = byte_floor_ms(params, template, 96)
+    assert floor == pytest.approx(2 * (26.03 + 96 * gb) / 3.7, rel=1e-3)

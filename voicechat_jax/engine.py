@@ -106,17 +106,19 @@ def frame_step_bytes(template: voicechat.FrameState) -> int:
 
 
 def byte_floor_ms(
-    weight_bytes: int,
-    slot_bytes: int,
+    params,
+    template: voicechat.FrameState,
     slots: int,
     *,
     frames: int = 2,
     tbps: float = COPY_TBPS,
 ) -> float:
-    """The byte floor of a beat in ms: ``frames`` frame-steps, each reading the weights once
-    (``weight_bytes``) and moving ``slot_bytes`` (``frame_step_bytes``) for each of ``slots``
-    slots, at ``tbps`` TB/s (``docs/serving.md`` §3)."""
-    return frames * (weight_bytes + slots * slot_bytes) / (tbps * 1e9)
+    """The byte floor of a beat in ms (``docs/serving.md`` §3): ``frames`` frame-steps, each
+    reading every parameter once (26.03 GB at the 11B) and moving ``frame_step_bytes(template)``
+    for each of ``slots`` slots, at ``tbps`` TB/s. ``params`` and ``template``: arrays or their
+    ``jax.ShapeDtypeStruct``s (``voicechat.abstract``, ``jax.eval_shape``)."""
+    moved = _tree_bytes(params) + slots * frame_step_bytes(template)
+    return frames * moved / (tbps * 1e9)
 
 
 def _device_memory(device) -> tuple[int | None, int]:
@@ -530,27 +532,27 @@ class Engine:
             return self._pads[b](out) if b < slots else out
         programs = self._staged
         lanes, self._lanes = self._lanes, {}
-        for b in np.flatnonzero(masks.admit):
-            self._state = programs.admit(self._state, self.template, np.int32(b))
-        for b in np.flatnonzero(masks.rolled):
-            n = int(masks.capsule_len[b])
+        for s in np.flatnonzero(masks.admit):
+            self._state = programs.admit(self._state, self.template, np.int32(s))
+        for s in np.flatnonzero(masks.rolled):
+            n = int(masks.capsule_len[s])
             if n == 0:  # nothing to prefill: the template's LLM state as it is
-                self._state = programs.restart(self._state, self.template, np.int32(b))
-            elif (lane := lanes.get(b)) is not None and lane.holds(beat.capsule[b, :n]):
-                self._state = programs.swap(self._state, self.template, np.int32(b), lane.llm)
+                self._state = programs.restart(self._state, self.template, np.int32(s))
+            elif (lane := lanes.get(s)) is not None and lane.holds(beat.capsule[s, :n]):
+                self._state = programs.swap(self._state, self.template, np.int32(s), lane.llm)
             else:
                 self._state = programs.reseed(
-                    self.params, self._state, self.template, np.int32(b), beat.capsule[b], n
+                    self.params, self._state, self.template, np.int32(s), beat.capsule[s], n
                 )
         self._state, out = tick(self.params, self._state, self.template, beat, masks)
         self._rule = rule
         # Next beat's roll-overs: their capsules prefilled now, behind the tick on the device.
-        for b in np.flatnonzero(np.asarray(beat.prefill) & (np.asarray(beat.capsule_len) > 0)):
-            n = int(beat.capsule_len[b])
+        for s in np.flatnonzero(np.asarray(beat.prefill) & (np.asarray(beat.capsule_len) > 0)):
+            n = int(beat.capsule_len[s])
             llm = programs.lane(
-                self.params, self.template, beat.capsule[b], np.int32(n), np.int32(b)
+                self.params, self.template, beat.capsule[s], np.int32(n), np.int32(s)
             ).llm
-            self._lanes[b] = _Lane(np.array(beat.capsule[b, :n]), llm)
+            self._lanes[s] = _Lane(np.array(beat.capsule[s, :n]), llm)
         return out
 
     @property

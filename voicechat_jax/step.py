@@ -220,7 +220,7 @@ def reseed_slot(
     place: ``reseed`` for one slot, as its own program (``make_staged``). The host sends an
     empty capsule to ``restart_slot`` instead."""
     llm = _capsule_llm(params, template, capsule[None], capsule_len[None], cfg=cfg)
-    return state.replace(model=_restart_one(state.model, template, slot, llm))
+    return swap_slot(state, template, slot, llm)
 
 
 def restart_slot(
@@ -228,7 +228,7 @@ def restart_slot(
 ) -> SessionState:
     """Slot ``slot`` rolled over with an empty capsule, in place: ``reseed_slot`` without the
     prefill, which would leave the template's LLM state as it is (``make_staged``)."""
-    return state.replace(model=_restart_one(state.model, template, slot, template.llm))
+    return swap_slot(state, template, slot, template.llm)
 
 
 def swap_slot(

@@ -168,7 +168,6 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         )
         server.run(plans, ticks)
     s = server.metrics.summary()
-    lat = s["latency_ms"]
     row = {
         "model": FLAGS.model,
         "device": jax.devices()[0].device_kind,
@@ -180,17 +179,7 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "clock": FLAGS.clock,
         "template_s": round(engine.template_s, 2),
         "compile_s": round(next(iter(s["compile_s"].values())), 2),
-        "steady_ticks": s["ticks"],
-        "p50_ms": lat["p50"],
-        "p99_ms": lat["p99"],
-        "p99.9_ms": lat.get("p99.9"),
-        "max_ms": lat["max"],
-        "missed_ticks": s["missed_ticks"],
-        "ticks_skipped": s["ticks_skipped"],
-        "missed_by_cause": s["missed_by_cause"],
-        "skipped_by_cause": s["skipped_by_cause"],
-        "stage_p99_ms": {k: v["p99"] for k, v in s["host_stages_ms"].items()},
-        "stage_max_ms": {k: v["max"] for k, v in s["host_stages_ms"].items()},
+        **harness.latency_fields(s),
         "at_cap": FLAGS.at_cap,
         "hold_full": FLAGS.hold_full,
         "warmup_max_ms": s["warmup"]["latency_ms"]["max"],

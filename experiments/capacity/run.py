@@ -23,7 +23,7 @@ from absl import app, flags
 
 from experiments.beat_latency import run as beat_latency
 from voicechat_jax import config as config_lib
-from voicechat_jax.engine import byte_floor_ms, frame_step_bytes
+from voicechat_jax.engine import byte_floor_ms
 from voicechat_jax.precision import CODEC_MATMUL, policy
 
 FLAGS = flags.FLAGS
@@ -38,8 +38,6 @@ flags.DEFINE_enum(
     list(CODEC_MATMUL),
     "The codec decoder's products (Precision.codec_matmul) in every policy (default: its own).",
 )
-
-WEIGHTS_GB = 26.0  # bf16 LLM + fp32 rest, read once per frame-step (docs/serving.md §3)
 
 
 def baseline(params, cfg, precision, template, ticks: int) -> dict:
@@ -93,7 +91,7 @@ def main(argv):
             times = beat_latency.tick_times(engine, FLAGS.probe_ticks)
             beat_ms = float(np.median(times))
             # Two frame-steps at 3.7 TB/s; a slot's bytes from its state under this policy.
-            floor_ms = byte_floor_ms(WEIGHTS_GB * 1e9, frame_step_bytes(engine.template), n)
+            floor_ms = byte_floor_ms(params, engine.template, n)
             point = {
                 "kind": "probe",
                 **tag,

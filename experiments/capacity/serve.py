@@ -25,9 +25,9 @@ import tempfile
 import jax
 from absl import app, flags
 
-from experiments.harness import RowLog
+from experiments import harness
 from voicechat_jax import config as config_lib
-from voicechat_jax.engine import byte_floor_ms, frame_step_bytes, template_fn
+from voicechat_jax.engine import byte_floor_ms, template_fn
 from voicechat_jax.model import voicechat
 from voicechat_jax.precision import policy
 from voicechat_jax.serving import runner
@@ -48,24 +48,18 @@ flags.DEFINE_string("out", None, "Rows (JSON lines), appended as measured.")
 flags.DEFINE_string("output_dir", None, "Where each run writes its outputs (default: a temp dir).")
 flags.DEFINE_string("table", None, "Print the README table of these rows (JSON lines) and exit.")
 
-STAGES = ("wake", "prepare", "dispatch", "device", "pickup", "collect")
-
 
 def floor_ms(cfg, serve: config_lib.ServeConfig) -> float:
-    """The byte floor of a beat of ``serve.slots`` sessions at the cap, from the shapes: the
-    weights read once a frame-step (every parameter: 26.03 GB at the 11B, the ~26 GB of
-    ``docs/serving.md`` §3) and each slot's state (``engine.frame_step_bytes``)."""
+    """The byte floor of a beat of ``serve.slots`` sessions at the cap (``engine.byte_floor_ms``),
+    from the shapes alone."""
     params = voicechat.abstract(cfg, serve.precision)
     template = jax.eval_shape(template_fn(cfg, serve), params)
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
-    return byte_floor_ms(weights, frame_step_bytes(template), serve.slots)
+    return byte_floor_ms(params, template, serve.slots)
 
 
 def row_of(result: runner.RunResult, n: int, loop: str, name: str, floor: float) -> dict:
     """The row of one run: what it held, and where each beat's time went."""
     s = result.summary
-    lat = s["latency_ms"]
-    stages = s["host_stages_ms"]
     held = s["missed_ticks"] == 0 and s["ticks"] >= FLAGS.min_ticks
     return {
         "kind": "user_path",
@@ -75,16 +69,7 @@ def row_of(result: runner.RunResult, n: int, loop: str, name: str, floor: float)
         "seconds": FLAGS.seconds,
         "context_frames": FLAGS.context_frames,
         "at_cap": FLAGS.at_cap,
-        "steady_ticks": s["ticks"],
-        "p50_ms": lat["p50"],
-        "p99_ms": lat["p99"],
-        "p99.9_ms": lat["p99.9"],
-        "max_ms": lat["max"],
-        "missed_ticks": s["missed_ticks"],
-        "missed_by_cause": s["missed_by_cause"],
-        "skipped_by_cause": s["skipped_by_cause"],
-        "stages_p99_ms": {k: stages[k]["p99"] for k in STAGES if k in stages},
-        "stages_max_ms": {k: stages[k]["max"] for k in STAGES if k in stages},
+        **harness.latency_fields(s),
         "rollovers": s["events"].get("rollover", 0),
         "failed_sessions": result.failed,
         "compile_s": s["compile_s"],
@@ -103,7 +88,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if r.get("kind") != "user_path":
             continue
-        st = r["stages_p99_ms"]
+        st = r["stage_p99_ms"]
         stages = " / ".join(
             "-" if st.get(k) is None else f"{st[k]:.1f}"
             for k in ("prepare", "dispatch", "device", "pickup")
@@ -125,7 +110,7 @@ def main(argv):
         with open(FLAGS.table) as f:
             print(table([json.loads(line) for line in f if line.strip()]))
         return
-    rows = RowLog(FLAGS.out)
+    rows = harness.RowLog(FLAGS.out)
     out_root = FLAGS.output_dir or tempfile.mkdtemp(prefix="capacity_serve_")
     cfg = config_lib.PRESETS[FLAGS.model]()
     for name in FLAGS.policies:
@@ -162,7 +147,7 @@ def main(argv):
                     f"{name} {n} {loop}: p50/p99/max {row['p50_ms']:.1f} / {row['p99_ms']:.1f} / "
                     f"{row['max_ms']:.1f} ms, missed {row['missed_ticks']} "
                     f"{row['missed_by_cause']} of {row['steady_ticks']}, "
-                    f"p99 stages {_fmt(row['stages_p99_ms'])}, "
+                    f"p99 stages {_fmt(row['stage_p99_ms'])}, "
                     f"roll-overs {row['rollovers']}, floor {floor:.1f} ms: "
                     f"{'holds' if row['holds'] else 'does not hold'}"
                 )

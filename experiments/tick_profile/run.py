@@ -50,7 +50,6 @@ flags.DEFINE_string("commit", None, "The engine commit for the rows (default: gi
 flags.DEFINE_string("reduce_only", None, "Reduce the traces and HLO a run left in this folder.")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-WEIGHTS_GB = 26.0  # read once per frame-step (docs/serving.md §3, as experiments/capacity)
 COPY_TBPS, DATASHEET_TBPS = 3.7, 4.8  # measured device copy; H200 datasheet
 FP32_TFLOPS = 67.0  # H200 fp32 without tensor cores (datasheet)
 ENV_KEYS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "JAX_COMPILATION_CACHE_DIR")
@@ -78,16 +77,6 @@ def keep_sources(out_dir: pathlib.Path, hlo_texts: list[str]) -> None:
                 files[rel] = (REPO / rel).read_text()
     with gzip.open(path, "wt", compresslevel=9) as f:
         json.dump(files, f)
-
-
-def floor_ms(slots: int, template, tbps: float) -> float:
-    """The byte floor of one tick (two frame-steps) at the 11B; a slot's bytes from its state
-    (``engine.frame_step_bytes``: the cap and the policy's dtypes)."""
-    from voicechat_jax.engine import byte_floor_ms, frame_step_bytes
-
-    if FLAGS.model != "voicechat_11b":
-        return 0.0
-    return byte_floor_ms(WEIGHTS_GB * 1e9, frame_step_bytes(template), slots, tbps=tbps)
 
 
 class Rows:
@@ -129,7 +118,7 @@ def profile_slots(n: int, params, cfg, template, out_dir: pathlib.Path, rows: Ro
     from voicechat_jax import precision as precision_lib
     from voicechat_jax import state as state_lib
     from voicechat_jax import step as step_lib
-    from voicechat_jax.engine import Engine
+    from voicechat_jax.engine import Engine, byte_floor_ms
 
     serve = config_lib.ServeConfig(
         slots=n,
@@ -220,8 +209,8 @@ def profile_slots(n: int, params, cfg, template, out_dir: pathlib.Path, rows: Ro
             "trace_s": round(trace_s, 2),
             "probe_ms": [round(x, 3) for x in probe],
             "probe_ms_p50": reduce_lib.median(probe) if probe else None,
-            "floor_ms": floor_ms(n, template, COPY_TBPS),
-            "floor_ms_datasheet": floor_ms(n, template, DATASHEET_TBPS),
+            "floor_ms": byte_floor_ms(params, template, n, tbps=COPY_TBPS),
+            "floor_ms_datasheet": byte_floor_ms(params, template, n, tbps=DATASHEET_TBPS),
             "state_gib": round(memory.state_bytes / 2**30, 2),
             "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
             "limit_gib": round(stats.get("bytes_limit", 0) / 2**30, 2),
