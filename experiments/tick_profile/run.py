@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import gzip
+import hashlib
 import json
 import os
 import pathlib
@@ -165,6 +166,7 @@ def profile_slots(n: int, params, cfg, template, out_dir: pathlib.Path, rows: Ro
         state, out = tick(params, state, template, beat, masks)
         jax.block_until_ready((state, out))
         probe.append((time.perf_counter() - t) * 1e3)
+    digest = out_digest(out)
 
     trace_root = pathlib.Path(tempfile.mkdtemp(prefix=f"tick_profile_{n}_"))
     options = jax.profiler.ProfileOptions()
@@ -209,6 +211,7 @@ def profile_slots(n: int, params, cfg, template, out_dir: pathlib.Path, rows: Ro
             "trace_s": round(trace_s, 2),
             "probe_ms": [round(x, 3) for x in probe],
             "probe_ms_p50": reduce_lib.median(probe) if probe else None,
+            "out_digest": digest,
             "floor_ms": byte_floor_ms(params, template, n, tbps=COPY_TBPS),
             "floor_ms_datasheet": byte_floor_ms(params, template, n, tbps=DATASHEET_TBPS),
             "state_gib": round(memory.state_bytes / 2**30, 2),
@@ -305,6 +308,24 @@ def reduce_into(measure: dict, out_dir: pathlib.Path, rows: Rows, summaries: lis
         logging.error("%d slots, reduction: %s", measure["slots"], traceback.format_exc())
         rows.write({"kind": "error", "slots": measure["slots"], "error": "reduce: " + str(e)[:500]})
     logging.info("%d slots reduced in %.1f s", measure["slots"], time.perf_counter() - t)
+
+
+def out_digest(out) -> dict:
+    """What the last timed tick produced, in a form two runs compare: a hash of its integer
+    leaves (tokens and codes) and the sum of its float leaves (audio), so that a compiler flag
+    that must not change the numbers is seen not to."""
+    import jax
+    import numpy as np
+
+    h = hashlib.sha256()
+    total = 0.0
+    for leaf in jax.tree.leaves(out):
+        a = np.asarray(leaf)
+        if np.issubdtype(a.dtype, np.floating):
+            total += float(np.sum(a, dtype=np.float64))
+        else:
+            h.update(a.tobytes())
+    return {"ints_sha256": h.hexdigest()[:16], "floats_sum": total}
 
 
 def component_row(n: int, c, busy_ms, probe_ms, window: str) -> dict:
