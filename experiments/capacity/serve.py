@@ -23,6 +23,7 @@ import os
 import tempfile
 
 import jax
+import numpy as np
 from absl import app, flags
 
 from experiments import harness
@@ -57,8 +58,11 @@ def floor_ms(cfg, serve: config_lib.ServeConfig) -> float:
     return byte_floor_ms(params, template, serve.slots)
 
 
-def row_of(result: runner.RunResult, n: int, loop: str, name: str, floor: float) -> dict:
-    """The row of one run: what it held, and where each beat's time went."""
+def row_of(
+    result: runner.RunResult, n: int, loop: str, name: str, floor: float, metrics_path: str
+) -> dict:
+    """The row of one run: what it held, where each beat's time went, and what the roll-over
+    beats cost over the plain beats before them (``rollover_window``)."""
     s = result.summary
     held = s["missed_ticks"] == 0 and s["ticks"] >= FLAGS.min_ticks
     return {
@@ -75,7 +79,56 @@ def row_of(result: runner.RunResult, n: int, loop: str, name: str, floor: float)
         "compile_s": s["compile_s"],
         "floor_ms": floor,
         "holds": held,
+        **rollover_window(metrics_path),
     }
+
+
+def _stats(ms: list[float]) -> dict | None:
+    if not ms:
+        return None
+    a = np.asarray(ms)
+    return {
+        "n": int(a.size),
+        "p50": float(np.percentile(a, 50)),
+        "p99": float(np.percentile(a, 99)),
+        "max": float(a.max()),
+    }
+
+
+def rollover_window(metrics_path: str, before: int = 50) -> dict:
+    """What a roll-over costs its beat (issue 30's "a beat with a roll-over runs at most 3 ms over
+    a plain beat at the same fill"), from the run's ``metrics.jsonl``.
+
+    A session's memory roll-over is recorded at the tick k whose slot was reseeded: its capsule was
+    prefilled after tick k-1 and swapped in before tick k, so both programs' device work lies
+    between the two ticks and shows in beat k. The roll-over beats are the steady ticks with at
+    least one such event; the plain beats at the same fill are the ``before`` steady ticks just
+    before the first roll-over (every cache then near the cap). Each side's beat latency and
+    device stage (ms): n, p50, p99, max."""
+    ticks, rolled = {}, set()
+    with open(metrics_path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("type") == "tick" and rec["phase"] == "steady" and not rec["skipped"]:
+                ticks[rec["tick"]] = rec
+            elif rec.get("event") == "rollover" and rec.get("reason") != "cap":
+                rolled.add(rec["tick"])
+    rolled &= ticks.keys()
+    if not rolled:
+        return {"rollover_beats": None, "plain_beats_before": None}
+    first = min(rolled)
+    plain = [k for k in ticks if first - before <= k < first]
+
+    def side(ks):
+        lat = [1e3 * ticks[k]["latency"] for k in ks]
+        dev = [1e3 * ticks[k]["stages"]["device"] for k in ks if ticks[k].get("stages")]
+        return {"latency_ms": _stats(lat), "device_ms": _stats(dev)}
+
+    out = {"rollover_beats": side(sorted(rolled)), "plain_beats_before": side(plain)}
+    r, p = out["rollover_beats"]["latency_ms"], out["plain_beats_before"]["latency_ms"]
+    if p is not None:
+        out["rollover_extra_ms"] = {q: r[q] - p[q] for q in ("p50", "p99", "max")}
+    return out
 
 
 def table(rows: list[dict]) -> str:
@@ -142,14 +195,16 @@ def main(argv):
                     rows.write({"kind": "error", "policy": name, "sessions": n, "loop": loop,
                                 "error": str(e)[:300]})  # fmt: skip
                     continue
-                row = rows.write(row_of(result, n, loop, name, floor))
+                metrics_path = os.path.join(options.output_dir, "metrics.jsonl")
+                row = rows.write(row_of(result, n, loop, name, floor, metrics_path))
                 print(
                     f"{name} {n} {loop}: p50/p99/max {row['p50_ms']:.1f} / {row['p99_ms']:.1f} / "
                     f"{row['max_ms']:.1f} ms, missed {row['missed_ticks']} "
                     f"{row['missed_by_cause']} of {row['steady_ticks']}, "
                     f"p99 stages {_fmt(row['stage_p99_ms'])}, "
                     f"roll-overs {row['rollovers']}, floor {floor:.1f} ms: "
-                    f"{'holds' if row['holds'] else 'does not hold'}"
+                    f"{'holds' if row['holds'] else 'does not hold'}; "
+                    f"roll-over beats over the plain ones before: {row.get('rollover_extra_ms')}"
                 )
 
 
