@@ -3,6 +3,8 @@
 ``provenance()`` is the part every row carries: the commit of the checkout, the device, the jax
 version, the command line that ran and the UTC time. ``RowLog`` appends each row to a JSON-lines
 file as it is measured (a device call cut short keeps what it measured), with the provenance.
+``experiments.rows`` reads the committed rows, holds older ones to the same keys and prints the
+READMEs' tables from them.
 """
 
 from __future__ import annotations

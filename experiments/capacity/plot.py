@@ -1,5 +1,5 @@
 """Beat latency against sessions from the capacity rows, with the 160 ms beat and the 140 ms p99
-target. See README.md.
+target, through the experiments' one plotting path (``experiments.plot``). See README.md.
 
   PYTHONPATH=. python3 experiments/capacity/plot.py \
     --rows=experiments/capacity/results/h200_reference.jsonl \
@@ -9,13 +9,10 @@ target. See README.md.
 from __future__ import annotations
 
 import collections
-import json
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 from absl import app, flags
+
+from experiments import plot, rows
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", None, "JSON-lines files of capacity rows.")
@@ -50,38 +47,33 @@ def series(rows: list[dict]) -> dict[str, list[dict]]:
     return {k: [v[n] for n in sorted(v)] for k, v in sorted(groups.items())}
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
     del argv
-    rows = []
-    for path in FLAGS.rows:
-        with open(path) as f:
-            rows.extend(json.loads(line) for line in f if line.strip())
-    fig, ax = plt.subplots(figsize=(11, 5))
-    ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # more series than tab10's colours
-    for name, points in series(rows).items():
-        n = [p["sessions"] for p in points]
-        (line,) = ax.plot(n, [p["p99_ms"] for p in points], "o-", label=f"{name}: p99")
-        ax.plot(n, [p["p50_ms"] for p in points], "s--", color=line.get_color(), alpha=0.6)
-        ax.plot(n, [p["max_ms"] for p in points], "^", color=line.get_color(), alpha=0.6)
-        for p in points:
-            if p["missed_ticks"]:
-                ax.annotate(f"{p['missed_ticks']} missed", (p["sessions"], p["max_ms"]), fontsize=8)
-    points = [p for r in series(rows).values() for p in r]
-    top = max([BEAT_MS, *(p["max_ms"] for p in points)])
-    low = min([TARGET_P99_MS, *(p["p50_ms"] for p in points)])
-    n = [p["sessions"] for p in points] or [1]
+    found = [r for path in FLAGS.rows for r in rows.load(path)]
+    named = [{**p, "series": name} for name, points in series(found).items() for p in points]
+    fig, ax = plot.figure(size=(11, 5))
+    ax.set_prop_cycle(color=plot.pyplot().get_cmap("tab20").colors)  # more series than tab10's
+    ys = [
+        plot.Y("p99_ms", "o-", label="{group}: p99"),
+        plot.Y("p50_ms", "s--", style={"alpha": 0.6}),
+        plot.Y("max_ms", "^", style={"alpha": 0.6}),
+    ]
+    plot.lines(ax, named, "sessions", ys, group="series")
+    for p in named:
+        if p["missed_ticks"]:
+            ax.annotate(f"{p['missed_ticks']} missed", (p["sessions"], p["max_ms"]), fontsize=8)
+    top = max([BEAT_MS, *(p["max_ms"] for p in named)])
+    low = min([TARGET_P99_MS, *(p["p50_ms"] for p in named)])
+    n = [p["sessions"] for p in named] or [1]
     ax.set_xlim(min(n) - 8, max(n) + 8)
     ax.set_ylim(low - 10, top * 1.05)
-    ax.axhline(BEAT_MS, color="red", lw=1)
-    ax.text(ax.get_xlim()[0], BEAT_MS + 1, "160 ms beat", color="red", fontsize=8)
-    ax.axhline(TARGET_P99_MS, color="gray", lw=1, ls=":")
-    ax.text(ax.get_xlim()[0], TARGET_P99_MS + 1, "140 ms p99 target", color="gray", fontsize=8)
+    plot.rule(ax, BEAT_MS, text="160 ms beat", color="red", lw=1)
+    plot.rule(ax, TARGET_P99_MS, text="140 ms p99 target", color="gray", lw=1, ls=":")
     ax.set_xlabel("sessions (one H200, 11B, 1,500-frame cap)")
     ax.set_ylabel("beat latency, ms (square p50, circle p99, triangle max)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(FLAGS.out, dpi=120)
+    plot.save(fig, FLAGS.out, dpi=120)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,15 @@ Writes a synthetic ``model.safetensors`` with the real release's 1,632 names, sh
 finite values, piece by piece (header, then each tensor's bytes from a random pool), plus
 ``config_to_release(voicechat_11b())`` as its ``config.json``; converts it with the CLI in a child
 process while sampling the child's resident memory; spot-checks a few converted leaves against
-the source; deletes everything unless ``--keep``.
+the source; deletes everything unless ``--keep``. The run's row (JSON lines, with its provenance)
+goes to ``results/cpu_11b_synthetic.jsonl``.
 
   python -m experiments.convert_memory.run --workdir=/tmp/vc_convert_memory
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -214,9 +216,21 @@ def main(argv: list[str]) -> None:
     print(json.dumps({k: v for k, v in result.items() if k != "rss_timeline"}, indent=1))
 
 
+ROWS = os.path.join(os.path.dirname(__file__), "results", "cpu_11b_synthetic.jsonl")
+
+
+@functools.cache
+def _provenance() -> dict:
+    from experiments import harness  # imports jax: only once there is a row to write
+
+    return harness.provenance()
+
+
 def _save(result: dict) -> None:
-    with open(os.path.join(os.path.dirname(__file__), "result.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    """The run's one row, rewritten as it grows, with its provenance (``experiments.harness``)."""
+    os.makedirs(os.path.dirname(ROWS), exist_ok=True)
+    with open(ROWS, "w") as f:
+        f.write(json.dumps({**result, **_provenance()}) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,71 +1,76 @@
-"""The policy simulator's figure from its rows (``run.py`` calls ``plot``, or run it on a file)."""
+"""The policy simulator's figure from its rows, through the experiments' one plotting path
+(``experiments.plot``): ``run.py`` calls ``plot``, or run it on a file::
+
+  PYTHONPATH=. python3 experiments/policy_sim/plot.py \
+      experiments/policy_sim/results/rows_current.jsonl out.png
+"""
 
 from __future__ import annotations
 
-import json
 import sys
+from typing import Any
 
-import matplotlib
+from experiments import plot as lines_lib
+from experiments import rows as rows_lib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+BEAT_MS = 160.0
 
 
 def plot(rows: list[dict], path: str) -> None:
     """Four panels: the fit, the validation, p99 against sessions per policy, the hour of calls."""
 
-    def kind(k):
+    def kind(k: str) -> list[dict]:
         return [r for r in rows if r["kind"] == k]
 
-    fig, ax = plt.subplots(2, 2, figsize=(11, 8))
+    def beat(a: Any) -> None:
+        lines_lib.rule(a, BEAT_MS, color="grey", lw=0.8, ls="--")
+
+    fig, ax = lines_lib.figure(2, 2, size=(11, 8))
+    Y = lines_lib.Y
+
     a = ax[0, 0]
-    fit = kind("fit")
     m = kind("model")[0]
-    bs = list(range(1, 129))
-    a.plot([r["slots"] for r in fit], [2 * r["measured_ms"] for r in fit], "o", label="measured")
-    a.plot(bs, [2 * (m["a_ms"] + (m["b_ms"] + m["c_ms"]) * b) for b in bs], "-", label="fit")
-    a.axhline(160, color="grey", lw=0.8, ls="--")
+    curve = [
+        {"slots": b, "ms": 2 * (m["a_ms"] + (m["b_ms"] + m["c_ms"]) * b)} for b in range(1, 129)
+    ]
+    lines_lib.lines(
+        a, kind("fit"), "slots", [Y("measured_ms*2", "o", label="measured")], sort=False
+    )
+    lines_lib.lines(a, curve, "slots", [Y("ms", "-", label="fit")])
+    beat(a)
     rows_of = {"capacity": "capacity rows, x = 1", "beat_profile": "beat_profile rows"}
     title = f"step cost, cap 1,500 ({rows_of.get(m.get('source', 'beat_profile'))})"
     a.set(xlabel="slots B", ylabel="tick device ms (2 frames)", title=title)
     a.legend()
 
     a = ax[0, 1]
-    val = kind("validation")
-    n = [r["sessions"] for r in val]
-    a.plot(n, [r["real_p50_ms"] for r in val], "o-", label="real p50")
-    a.plot(n, [r["sim_p50_ms"] for r in val], "s--", label="sim p50")
-    a.plot(n, [r["real_p99_ms"] for r in val], "o-", label="real p99")
-    a.plot(n, [r["sim_p99_ms"] for r in val], "s--", label="sim p99")
-    a.axhline(160, color="grey", lw=0.8, ls="--")
+    lines_lib.lines(a, kind("validation"), "sessions", [
+        Y("real_p50_ms", "o-", label="real p50"), Y("sim_p50_ms", "s--", label="sim p50"),
+        Y("real_p99_ms", "o-", label="real p99"), Y("sim_p99_ms", "s--", label="sim p99"),
+    ], sort=False)  # fmt: skip
+    beat(a)
     a.set(xlabel="sessions (= slots)", ylabel="beat latency ms", title="lockstep: sim vs H200")
     a.legend()
 
     a = ax[1, 0]
-    pol = kind("policy")
-    for name in dict.fromkeys(r["policy"] for r in pol):
-        rs = sorted((r for r in pol if r["policy"] == name), key=lambda r: r["sessions"])
-        a.plot([r["sessions"] for r in rs], [r["p99_ms"] for r in rs], ".-", label=name)
-    a.axhline(160, color="grey", lw=0.8, ls="--")
+    lines_lib.lines(a, kind("policy"), "sessions", [Y("p99_ms", ".-", label="{group}")],
+                    group="policy")  # fmt: skip
+    beat(a)
     a.set(xscale="log", yscale="log", xlabel="sessions", ylabel="p99 latency ms",
           title="policies (simulated)")  # fmt: skip
     a.legend(fontsize=8)
 
     a = ax[1, 1]
-    hr = kind("hour")
-    for variant in dict.fromkeys(r["variant"] for r in hr):
-        rs = [r for r in hr if r["variant"] == variant]
-        a.plot([r["erlangs"] for r in rs], [r["busy_frac"] for r in rs], ".-",
-               label=f"device busy, {variant}")  # fmt: skip
-    rs = [r for r in hr if r["variant"] == "fixed"]
-    a.plot([r["erlangs"] for r in rs], [r["refused"] / max(r["offered"], 1) for r in rs], "x-",
-           label="refused fraction")  # fmt: skip
+    hour = kind("hour")
+    lines_lib.lines(a, hour, "erlangs", [Y("busy_frac", ".-", label="device busy, {group}")],
+                    group="variant", sort=False)  # fmt: skip
+    refused = [{**r, "frac": r["refused"] / max(r["offered"], 1)} for r in hour
+               if r["variant"] == "fixed"]  # fmt: skip
+    lines_lib.lines(a, refused, "erlangs", [Y("frac", "x-", label="refused fraction")], sort=False)
     a.set(xlabel="offered load (Erlangs)", ylabel="fraction", title="an hour of Poisson calls")
     a.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    lines_lib.save(fig, path, dpi=110)
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        plot([json.loads(line) for line in f if line.strip()], sys.argv[2])
+    plot(rows_lib.load(sys.argv[1]), sys.argv[2])

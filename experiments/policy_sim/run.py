@@ -296,7 +296,7 @@ def main(argv):
         for r in rows_out:
             f.write(json.dumps(r) + "\n")
     if png:
-        import plot  # matplotlib only when a plot is asked for
+        from experiments.policy_sim import plot  # matplotlib only when a plot is asked for
 
         plot.plot(rows_out, png)
     print_tables(rows_out)
