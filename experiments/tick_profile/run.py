@@ -428,6 +428,7 @@ def main(argv):
         provenance |= {
             "device": jax.devices()[0].device_kind,
             "jax": jax.__version__,
+            "measured_at": harness.provenance()["measured_at"],
             "context_frames": FLAGS.context_frames,
             "policy": FLAGS.policy,
             "hold_full": FLAGS.hold_full,
