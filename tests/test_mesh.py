@@ -364,18 +364,18 @@ def _per_step(layout: str) -> int:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_only_all_reduces_over_the_model_axis(tp, layout):
-    """The compiled tick's only collectives are all-reduces within the ``model`` groups: one LLM
-    frame step's (``_per_step``, inside the frame loop) and the roll-over prefill's, which has
-    the same less the last layer's product (the prefill's hidden state is dropped, so XLA removes
-    that product and its all-reduce; the tiny pattern ends with an attention layer)."""
+    """The staged tick's only collectives are all-reduces within the ``model`` groups, one LLM
+    frame step's (``_per_step``, inside the frame loop); the roll-over's prefill, its own program,
+    has the same less the last layer's product (the prefill's hidden state is dropped, so XLA
+    removes that product and its all-reduce; the tiny pattern ends with an attention layer)."""
     result, _ = tp
     r = result[layout]
     assert tw.CFG.llm.pattern[-1] == "*"
-    expected = _per_step(layout) + (_per_step(layout) - 1)
-    assert r["collectives"] == {"all-reduce": expected}
     model_groups = [list(g) for g in r["model_groups"]]
     assert len(model_groups) == _data(layout)
-    assert r["all_reduce_groups"] == [[model_groups, expected]]
+    for key, expected in (("", _per_step(layout)), ("reseed_", _per_step(layout) - 1)):
+        assert r[f"{key}collectives"] == {"all-reduce": expected}, key
+        assert r[f"{key}all_reduce_groups"] == [[model_groups, expected]], key
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -212,17 +212,17 @@ def params():
 
 @pytest.fixture(scope="module")
 def engine(params):
-    engine = Engine(params, CFG, SERVE, staged=False)  # its tick is shared with the buckets
+    engine = Engine(params, CFG, SERVE)  # its programs are shared with the buckets
     engine.compile_tick()
     return engine
 
 
 @pytest.fixture(scope="module")
 def bucket_engine(params, engine):
-    """Buckets of 1 and 2 slots; the 2-slot tick is the fixed engine's (one compile saved)."""
+    """Buckets of 1 and 2 slots; the 2-slot programs are the fixed engine's (compiles saved)."""
     e = Engine(
         params, CFG, SERVE, buckets=(1, 2), template=engine.template,
-        ticks={2: engine.compile_tick()},
+        programs={2: engine.programs()},
     )  # fmt: skip
     e.compile_tick()
     return e

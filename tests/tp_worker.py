@@ -203,11 +203,15 @@ def run(out_dir: str) -> None:
         seconds[name] = time.perf_counter() - t
         llm = llm_shard.shard_config(CFG.llm, model)
         groups = mesh_lib.all_reduce_groups(hlo)
+        reseed = engine.stages.reseed.as_text()  # the roll-over's capsule prefill, its own program
+        reseed_groups = mesh_lib.all_reduce_groups(reseed)
         result[name] = {
             "mesh_shape": dict(mesh.shape),
             "compiles": compiles.count,
             "collectives": mesh_lib.collectives(hlo),
             "all_reduce_groups": sorted([sorted(g), n] for g, n in groups.items()),
+            "reseed_collectives": mesh_lib.collectives(reseed),
+            "reseed_all_reduce_groups": sorted([sorted(g), n] for g, n in reseed_groups.items()),
             "model_groups": sorted(mesh_lib.model_groups(mesh)),
             "norm_ranks": llm.norm_ranks,
             "donated": donated,

@@ -171,13 +171,53 @@ class _Lane:
         return self.ids.shape == ids.shape and bool(np.all(self.ids == ids))
 
 
+class BucketPrograms:
+    """One bucket's programs: its tick, its one-slot programs when staged, its outputs' pad.
+
+    The tick and the pad are compiled when the bucket is; the one-slot programs (``admit``,
+    ``reseed``, ``restart``, ``swap``, ``lane``: ``step.StagedPrograms``) each on first use, or all
+    at once by ``compile_stages`` (``Engine.compile_tick``, before a server's clock starts), so a
+    program a run never calls is never compiled.
+    """
+
+    STAGES = ("admit", "reseed", "restart", "swap", "lane")
+
+    def __init__(self, tick, pad=None, jitted: step_lib.StagedPrograms | None = None, args=None):
+        self.tick = tick
+        self.pad = pad  # bucket below the host's slots: its outputs padded to them; else None
+        self.staged = jitted is not None
+        self._jitted, self._args = jitted, args or {}
+        self._compiled: dict[str, object] = {}
+
+    def stage(self, name: str):
+        """The compiled one-slot program ``name`` (compiled now if it was not)."""
+        program = self._compiled.get(name)
+        if program is None:
+            program = getattr(self._jitted, name).lower(*self._args[name]).compile()
+            self._compiled[name] = program
+        return program
+
+    def compile_stages(self) -> None:
+        for name in self.STAGES if self.staged else ():
+            self.stage(name)
+
+    @property
+    def stages(self) -> step_lib.StagedPrograms | None:
+        """Every one-slot program and the tick, compiled (None: the tick runs the whole beat)."""
+        if not self.staged:
+            return None
+        self.compile_stages()
+        return step_lib.StagedPrograms(tick=self.tick, **self._compiled)
+
+
 class Engine:
     """The device side: params, template, slot state, the slot rule and the compiled programs.
 
     Its modes are data: the slot counts it compiles (``buckets``: one, or a few that a
-    ``scheduler.SlotBuckets`` moves the sessions between), the mesh its slots split over (only
-    shardings), whether a beat's admissions and roll-overs run as their own programs (``staged``)
-    and the kernels each program runs (``Kernels``, per bucket).
+    ``scheduler.SlotBuckets`` moves the sessions between), the mesh its slots split over (the
+    programs' shardings), whether a beat's admissions and roll-overs run as their own programs
+    (``staged``) and the kernels each program runs (``Kernels``, per bucket). Each bucket's
+    programs are one ``BucketPrograms``, and one ``tick`` drives them whatever the modes.
     """
 
     def __init__(
@@ -191,7 +231,7 @@ class Engine:
         mesh: Mesh | None = None,
         staged: bool | None = None,
         buckets: Sequence[int] | None = None,
-        ticks: Mapping[int, object] | None = None,
+        programs: Mapping[int, BucketPrograms] | None = None,
     ):
         """Builds the template (unless given), checks the memory plan, allocates the state.
 
@@ -208,16 +248,17 @@ class Engine:
           staged: the dispatch loop runs each beat's admissions and roll-overs as their own
             one-slot programs, dispatched only for the slots that need them (the beat's masks),
             before a tick with no loop whose trip count the device
-            decides (``step.make_staged``). On a GPU the tick's call then returns without waiting
-            for the device, so the host's dispatch stage measures the host alone. Same outputs
-            bit for bit. Default: on one device with one bucket; a mesh and buckets run the
-            whole tick as one program.
+            decides (``step.make_staged``; over a mesh ``mesh.make_staged``). On a GPU the tick's
+            call then returns without waiting for the device, so the host's dispatch stage
+            measures the host alone. Same outputs bit for bit. Default (None): staged, on one
+            device or a mesh, in every bucket; False runs the whole beat as one program (the
+            resident loop's body), for comparison.
           buckets: slot counts to compile a tick for, the largest ``serve.slots`` (the host's slot
             table); the state starts in the smallest, and ``place`` moves it between them (one
             device). Default: ``serve.slots`` alone. See ``voicechat_jax.buckets``.
-          ticks: ticks already compiled for some of the buckets, by slot count: the
-            ``compile_tick()`` of an engine with ``staged=False``, this ``cfg``, ``params``,
-            ``template`` and ``serve`` but for ``slots`` (one compile saved per bucket).
+          programs: programs already compiled for some of the buckets, by slot count: the
+            ``programs()`` of an engine with the same ``staged``, ``cfg``, ``params``,
+            ``template`` and ``serve`` but for ``slots`` (the compiles saved per bucket).
 
         Raises:
           MemoryPlanError: the slots do not fit; the message names the bytes needed and the
@@ -231,9 +272,7 @@ class Engine:
         self.buckets = b
         self.bucket = b[0]  # the state's slot count now
         self.mesh = mesh
-        self.staged = mesh is None and len(b) == 1 if staged is None else staged
-        if self.staged and (mesh is not None or len(b) > 1):
-            raise ValueError("a mesh or slot buckets run the whole tick as one program")
+        self.staged = True if staged is None else bool(staged)
         per_device = serve.slots if mesh is None else mesh_lib.check_slots(serve.slots, mesh)
         platform = None if mesh is None else mesh.devices.flat[0].platform
         # The kernels each bucket's programs run ('auto' made once, for one device's slots).
@@ -278,14 +317,12 @@ class Engine:
         # device at the next beat, after the state was set from outside).
         self._rule: SlotRule | None = SlotRule.fresh(self.template, serve.slots)
         self.samples_per_beat = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
-        self._given = dict(ticks or {})
-        self._ticks: dict[int, object] = {}  # bucket -> its compiled tick
-        self._pads: dict[int, object] = {}  # bucket below the slots -> its outputs' pad
+        self._given = dict(programs or {})
+        self._programs: dict[int, BucketPrograms] = {}  # bucket -> its compiled programs
         self._resizes: dict[tuple[int, int], object] = {}  # (bucket, bucket) -> the move
         self.compiles = 0  # bucketed: programs compiled (ticks, pads, resizes)
         self.moved_slots = 0  # slots copied by moves (the kept ones)
         self.move_s: list[float] = []  # host seconds to dispatch each move (not device time)
-        self._staged: step_lib.StagedPrograms | None = None
         self._lanes: dict[int, _Lane] = {}  # staged: slot -> its capsule, prefilled last beat
         self._warmed = False
         # While ``warm_resident`` runs: the warm-up beats still to feed (the host's callbacks
@@ -339,13 +376,23 @@ class Engine:
         return self.params, state, self.template, beat, masks
 
     def compile_tick(self):
-        """Compiles every bucket's programs once, before the clock starts (staged: the tick with
-        its admission and roll-over programs; bucketed: each bucket's tick, its outputs' pad and
-        every move); returns the current bucket's tick."""
-        if not self._ticks:
+        """Compiles every bucket's programs before the clock starts (each tick and, staged, its
+        one-slot programs; below the slots, its outputs' pad; bucketed: every move); returns the
+        current bucket's tick."""
+        programs = self.programs()
+        t = time.perf_counter()
+        for p in self._programs.values():
+            p.compile_stages()
+        self.compile_s += time.perf_counter() - t
+        return programs.tick
+
+    def programs(self) -> BucketPrograms:
+        """The current bucket's programs; every bucket's tick, pad and move compiled on first call
+        (the one-slot programs on first use: ``BucketPrograms``)."""
+        if not self._programs:
             t = time.perf_counter()
             for b in self.buckets:
-                self._ticks[b] = self._compile_bucket(b)
+                self._programs[b] = self._given.get(b) or self._compile_bucket(b)
             if len(self.buckets) > 1:
                 for b in self.buckets:
                     state_b = self._lowering_args(b)[1]
@@ -354,59 +401,55 @@ class Engine:
                             src = jax.ShapeDtypeStruct((c,), jnp.int32)
                             low = buckets_lib.resize_jit.lower(state_b, self.template, src, slots=c)
                             self._resizes[(b, c)] = low.compile()
-                given = sum(b in self._given for b in self.buckets)
-                self.compiles = len(self._ticks) - given + len(self._pads) + len(self._resizes)
+                made = [p for b, p in self._programs.items() if b not in self._given]
+                pads = sum(p.pad is not None for p in made)
+                self.compiles = len(made) + pads + len(self._resizes)
             self.compile_s = time.perf_counter() - t
             if len(self.buckets) > 1:
                 logging.info(
                     "bucket engine: %d ticks (%s slots), %d pads, %d resizes compiled in %.1f s",
-                    len(self._ticks),
+                    len(self._programs),
                     ",".join(map(str, self.buckets)),
-                    len(self._pads),
+                    sum(p.pad is not None for p in self._programs.values()),
                     len(self._resizes),
                     self.compile_s,
                 )
-        return self._ticks[self.bucket]
+        return self._programs[self.bucket]
 
-    def _compile_bucket(self, b: int):
-        """Bucket ``b``'s tick (and, staged, its one-slot programs; below the slots, its outputs'
-        pad), compiled."""
+    def _compile_bucket(self, b: int) -> BucketPrograms:
+        """Bucket ``b``'s tick (below the slots, with its outputs' pad), compiled; staged, its
+        one-slot programs made, to be compiled on first use."""
         args = self._lowering_args(b)
         kernels = self.bucket_kernels[b]
-        if b in self._given:
-            tick = self._given[b]
-        elif self.staged:
-            staged = step_lib.make_staged(self.cfg, self.serve, kernels)
+        jitted, stage_args = None, None
+        if self.staged:
+            if self.mesh is None:
+                jitted = step_lib.make_staged(self.cfg, self.serve, kernels)
+            else:
+                jitted = mesh_lib.make_staged(self.cfg, self.serve, self.mesh, kernels)
             slot = jax.ShapeDtypeStruct((), np.int32)
             capsule = jax.ShapeDtypeStruct((self.serve.capsule_tokens,), np.int32)
             state, template = args[1], self.template
-            self._staged = step_lib.StagedPrograms(
-                admit=staged.admit.lower(state, template, slot).compile(),
-                reseed=staged.reseed.lower(
-                    self.params, state, template, slot, capsule, slot
-                ).compile(),
-                restart=staged.restart.lower(state, template, slot).compile(),
-                swap=staged.swap.lower(state, template, slot, template.llm).compile(),
-                lane=staged.lane.lower(self.params, template, capsule, slot, slot).compile(),
-                tick=staged.tick.lower(*args).compile(),
-            )
-            tick = self._staged.tick
-            _log_compiled("admission", self._staged.admit, self.memory)
-            _log_compiled("roll-over", self._staged.reseed, self.memory)
-            _log_compiled("empty roll-over", self._staged.restart, self.memory)
-            _log_compiled("capsule prefill", self._staged.lane, self.memory)
+            stage_args = {
+                "admit": (state, template, slot),
+                "reseed": (self.params, state, template, slot, capsule, slot),
+                "restart": (state, template, slot),
+                "swap": (state, template, slot, template.llm),
+                "lane": (self.params, template, capsule, slot, slot),
+            }
+            tick = jitted.tick
         elif self.mesh is None:
-            tick = step_lib.make_tick(self.cfg, self.serve, kernels).lower(*args).compile()
+            tick = step_lib.make_tick(self.cfg, self.serve, kernels)
         else:
-            jitted = mesh_lib.make_tick(self.cfg, self.serve, self.mesh, kernels)
-            tick = jitted.lower(*args).compile()
+            tick = mesh_lib.make_tick(self.cfg, self.serve, self.mesh, kernels)
+        compiled = tick.lower(*args).compile()
+        _log_compiled(f"tick ({b} slots)", compiled, self.memory)
+        pad = None
         if b < self.serve.slots:
-            jitted = step_lib.make_tick(self.cfg, self.serve, kernels)
-            out_b = jax.eval_shape(jitted, *args)[1]
-            pad = jax.jit(functools.partial(buckets_lib.pad_slots, slots=self.serve.slots))
-            self._pads[b] = pad.lower(out_b).compile()
-        _log_compiled(f"tick ({b} slots)", tick, self.memory)
-        return tick
+            out_b = jax.eval_shape(tick, *args)[1]
+            jitted_pad = jax.jit(functools.partial(buckets_lib.pad_slots, slots=self.serve.slots))
+            pad = jitted_pad.lower(out_b).compile()
+        return BucketPrograms(compiled, pad, jitted, stage_args)
 
     def place(self, plan) -> None:
         """Moves the state into ``plan.bucket`` slots with ``plan.moves`` (a
@@ -421,7 +464,7 @@ class Engine:
             )
         if len(self.buckets) == 1:
             raise ValueError(f"moves need an engine with slot buckets; this one has {self.buckets}")
-        self.compile_tick()
+        self.programs()
         src = buckets_lib.source_slots(
             self.bucket, plan.bucket, [(m.src, m.dst) for m in plan.moves]
         )
@@ -435,6 +478,12 @@ class Engine:
         host_src = np.full((self.serve.slots,), -1, np.int32)
         host_src[: plan.bucket] = src
         rule.move(host_src)
+        # A capsule prefilled for a slot moves with it (a slot not kept drops its lane).
+        self._lanes = {
+            int(new): self._lanes[int(old)]
+            for new, old in enumerate(host_src)
+            if old >= 0 and int(old) in self._lanes
+        }
         self.move_s.append(time.perf_counter() - t)
         self.moved_slots += int(np.sum(src >= 0))
         logging.debug("slots %d -> %d, moves %s", self.bucket, plan.bucket, plan.moves)
@@ -464,10 +513,9 @@ class Engine:
 
     @property
     def stages(self) -> step_lib.StagedPrograms | None:
-        """The compiled admission, roll-over and tick programs of a staged engine (compiled by
-        ``compile_tick``); None otherwise."""
-        self.compile_tick()
-        return self._staged
+        """The current bucket's compiled admission, roll-over and tick programs of a staged
+        engine; None otherwise."""
+        return self.programs().stages
 
     def warm(self) -> float:
         """Runs the compiled dispatch tick once down every path, then ``reset``; returns seconds.
@@ -510,50 +558,57 @@ class Engine:
     def tick(self, beat: state_lib.BeatInput) -> state_lib.BeatOutput:
         """Dispatches one beat (asynchronously); the state is donated and replaced.
 
-        The slot rule decides the beat's masks on the host (``decide``); the tick applies them.
+        The slot rule decides the beat's masks on the host (``decide``); the programs apply them.
         Staged: first one admission program per admitted slot and one roll-over program per slot
         rolled over (the host's requests, and the at-cap fallback; without a prefill when the
-        capsule is empty, from the lane when it was prefilled last beat), then the tick.
+        capsule is empty, from the lane when it was prefilled last beat), then the tick, then
+        the next beat's capsules prefilled into lanes behind it. A bucket below the host's slots
+        ticks its own rows and pads its outputs; a mesh places the beat's rows on their devices.
         """
-        tick = self.compile_tick()
+        programs = self.programs()
         b, slots = self.bucket, self.serve.slots
         if b < slots and np.any(np.asarray(beat.admit)[b:]):
             raise ValueError(f"admission past the bucket of {b} slots")
         rule = self.rule
         self._rule = None  # until every program of the beat is dispatched
         masks = rule.decide(beat, self.serve)
-        if not self.staged:
-            if b < slots:  # the rows past the bucket are free: not on the device this beat
-                beat, masks = jax.tree_util.tree_map(lambda x: x[:b], (beat, masks))
-            if self.mesh is not None:  # each device gets its slots' rows
-                beat, masks = mesh_lib.put_beat((beat, masks), self.mesh)
-            self._state, out = tick(self.params, self._state, self.template, beat, masks)
-            self._rule = rule
-            return self._pads[b](out) if b < slots else out
-        programs = self._staged
+        if programs.staged:
+            self._stage_slots(programs, beat, masks)
+        rows = (beat, masks)
+        if b < slots:  # the rows past the bucket are free: not on the device this beat
+            rows = jax.tree_util.tree_map(lambda x: x[:b], rows)
+        if self.mesh is not None:  # each device gets its slots' rows
+            rows = mesh_lib.put_beat(rows, self.mesh)
+        self._state, out = programs.tick(self.params, self._state, self.template, *rows)
+        self._rule = rule
+        if programs.staged:
+            self._prefill_lanes(programs, beat)
+        return out if programs.pad is None else programs.pad(out)
+
+    def _stage_slots(self, programs: BucketPrograms, beat, masks) -> None:
+        """The beat's admissions and roll-overs, one program per slot, before its tick."""
         lanes, self._lanes = self._lanes, {}
         for s in np.flatnonzero(masks.admit):
-            self._state = programs.admit(self._state, self.template, np.int32(s))
+            self._state = programs.stage("admit")(self._state, self.template, np.int32(s))
         for s in np.flatnonzero(masks.rolled):
-            n = int(masks.capsule_len[s])
+            n, slot = int(masks.capsule_len[s]), np.int32(s)
             if n == 0:  # nothing to prefill: the template's LLM state as it is
-                self._state = programs.restart(self._state, self.template, np.int32(s))
+                self._state = programs.stage("restart")(self._state, self.template, slot)
             elif (lane := lanes.get(s)) is not None and lane.holds(beat.capsule[s, :n]):
-                self._state = programs.swap(self._state, self.template, np.int32(s), lane.llm)
+                self._state = programs.stage("swap")(self._state, self.template, slot, lane.llm)
             else:
-                self._state = programs.reseed(
-                    self.params, self._state, self.template, np.int32(s), beat.capsule[s], n
+                self._state = programs.stage("reseed")(
+                    self.params, self._state, self.template, slot, beat.capsule[s], np.int32(n)
                 )
-        self._state, out = tick(self.params, self._state, self.template, beat, masks)
-        self._rule = rule
-        # Next beat's roll-overs: their capsules prefilled now, behind the tick on the device.
+
+    def _prefill_lanes(self, programs: BucketPrograms, beat) -> None:
+        """Next beat's roll-overs: their capsules prefilled now, behind the tick on the device."""
         for s in np.flatnonzero(np.asarray(beat.prefill) & (np.asarray(beat.capsule_len) > 0)):
             n = int(beat.capsule_len[s])
-            llm = programs.lane(
+            llm = programs.stage("lane")(
                 self.params, self.template, beat.capsule[s], np.int32(n), np.int32(s)
             ).llm
             self._lanes[s] = _Lane(np.array(beat.capsule[s, :n]), llm)
-        return out
 
     @property
     def prefilled(self) -> tuple[int, ...]:

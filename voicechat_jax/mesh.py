@@ -41,6 +41,7 @@ import re
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -310,6 +311,79 @@ def make_tick(
         in_shardings=shardings,
         out_shardings=(shardings[1], shardings[3]),
         donate_argnums=(1,),
+    )
+
+
+def _local_slot(slot: jax.Array, per_device: int) -> tuple[jax.Array, jax.Array]:
+    """Inside ``shard_map``: the host's slot index as this device's row, clamped into its
+    ``per_device`` rows, and whether this device holds the slot."""
+    local = slot - jax.lax.axis_index(DATA) * per_device
+    owned = (local >= 0) & (local < per_device)
+    return jnp.clip(local, 0, per_device - 1), owned
+
+
+def make_staged(
+    cfg: ModelConfig, serve: ServeConfig, mesh: Mesh, kernels: Kernels | None = None
+) -> step_lib.StagedPrograms:
+    """``step.make_staged``'s programs over ``mesh``: the staged tick (``make_tick``'s layout)
+    and its one-slot programs.
+
+    A one-slot program runs on every device with the host's slot index: the device holding the
+    slot writes it, the others write the slot's row of their own back (``step._put_slot``'s
+    ``owned``), so no state crosses between devices. A capsule's prefill (``reseed``, ``lane``) runs
+    with ``local_config``'s LLM on every ``data`` device alike (its ``model`` group splits it), so a
+    lane is replicated over ``data`` and swaps in wherever its slot lies. Arguments placed as for
+    ``make_tick``; the slot, capsule and its length replicated.
+    """
+    per = check_slots(serve.slots, mesh)
+    local = local_config(cfg, serve, mesh)
+    precision = serve.precision
+    ps, ss, ts = param_specs(mesh), state_specs(cfg, mesh), template_specs(cfg, mesh)
+    llm = P() if model_parallel(mesh) == 1 else ts.llm  # a lane's LLM state, as the template's
+    lane_specs = step_lib.CapsuleLane(llm=llm, slot=P(), ids=P(), n=P())
+
+    def program(fn, in_specs, out_specs, donate=()):
+        shardings = _named(in_specs, mesh)
+        return jax.jit(
+            shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
+            in_shardings=shardings,
+            out_shardings=_named(out_specs, mesh),
+            donate_argnums=donate,
+        )
+
+    def admit(state, template, slot):
+        return step_lib.admit_slot(state, template, *_local_slot(slot, per))
+
+    def reseed(params, state, template, slot, capsule, n):
+        b, owned = _local_slot(slot, per)
+        with precision.scope():
+            return step_lib.reseed_slot(params, state, template, b, capsule, n, owned, cfg=local)
+
+    def restart(state, template, slot):
+        return step_lib.restart_slot(state, template, *_local_slot(slot, per))
+
+    def swap(state, template, slot, lane_llm):
+        b, owned = _local_slot(slot, per)
+        return step_lib.swap_slot(state, template, b, lane_llm, owned)
+
+    def lane(params, template, capsule, n, slot):
+        with precision.scope():
+            return step_lib.prefill_lane(params, template, capsule, n, slot, cfg=local)
+
+    def tick(params, state, template, beat, masks):  # step.CompileCounter("tick") counts it
+        with precision.scope():
+            return step_lib.tick(
+                params, state, template, beat, masks, cfg=local, serve=serve, kernels=kernels,
+                staged=True,
+            )  # fmt: skip
+
+    return step_lib.StagedPrograms(
+        admit=program(admit, (ss, ts, P()), ss, donate=(0,)),
+        reseed=program(reseed, (ps, ss, ts, P(), P(), P()), ss, donate=(1,)),
+        restart=program(restart, (ss, ts, P()), ss, donate=(0,)),
+        swap=program(swap, (ss, ts, P(), llm), ss, donate=(0,)),
+        lane=program(lane, (ps, ts, P(), P(), P()), lane_specs),
+        tick=program(tick, (ps, ss, ts, P(DATA), P(DATA)), (ss, P(DATA)), donate=(1,)),
     )
 
 

@@ -14,14 +14,15 @@ bit for bit:
 - dispatch (``make_tick``): one donated jitted call per beat; the host reads beat k's output while
   beat k+1 runs (``serving.server``).
 
-On one device the dispatch loop stages the tick (``make_staged``, ``Engine(staged=True)``): the
-beat's admissions and roll-overs, in the masks, run first as one-slot
+The dispatch loop stages the tick (``make_staged``; over a mesh ``mesh.make_staged``;
+``Engine(staged=True)``, in every bucket): the beat's admissions and roll-overs, in the masks,
+run first as one-slot
 programs (``admit_slot``, ``reseed_slot``), and the tick proper (``tick(..., staged=True)``) has
 only loops whose trip count the compiler knows. On a GPU, XLA runs a loop of unknown trip count
 by copying its predicate to the host every iteration, so a call with one returns only when the
 device has reached the loop's end: the host's dispatch stage would then hold device time (24 ms
 of a plain beat at 16 sessions on an H200, the whole roll-over work on a roll-over beat). The
-resident loop and a mesh keep the one-program tick, with the same outputs bit for bit.
+resident loop keeps the one-program tick, with the same outputs bit for bit.
 """
 
 from __future__ import annotations
@@ -89,8 +90,17 @@ def _slot(tree, b):
     return jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, b, 1, axis=0), tree)
 
 
-def _put_slot(tree, one, b):
-    """``one`` ([1, ...] leaves) written into slot ``b`` of ``tree``, in place."""
+def _put_slot(tree, one, b, owned: jax.Array | None = None):
+    """``one`` ([1, ...] leaves) written into slot ``b`` of ``tree``, in place.
+
+    ``owned`` (a bool scalar; None: True): whether slot ``b`` is this program's to write. A
+    one-slot program split over a mesh's ``data`` axis runs on every device, and only the device
+    that holds the slot writes it; the others write the slot's own row back (``mesh.make_staged``).
+    """
+    if owned is not None:
+        one = jax.tree_util.tree_map(
+            lambda o, x: jnp.where(owned, o.astype(x.dtype), x), one, _slot(tree, b)
+        )
     return jax.tree_util.tree_map(
         lambda x, o: jax.lax.dynamic_update_slice_in_dim(x, o.astype(x.dtype), b, axis=0), tree, one
     )
@@ -191,19 +201,21 @@ def _capsule_llm(params, template, ids, n, *, cfg: ModelConfig):
     return llm
 
 
-def _restart_one(model, template, b, llm) -> voicechat.FrameState:
-    """Slot ``b`` of ``model`` rolled over to the LLM state ``llm`` (batch 1); see ``reseed``."""
+def _restart_one(model, template, b, llm, owned=None) -> voicechat.FrameState:
+    """Slot ``b`` of ``model`` rolled over to the LLM state ``llm`` (batch 1); see ``reseed``
+    (``owned``: ``_put_slot``'s)."""
     cur = _slot(model, b)
     tts = template.tts.replace(prev_codes=cur.tts.prev_codes, frame=jnp.ones_like(cur.tts.frame))
-    return _put_slot(model, cur.replace(llm=llm, tts=tts), b)
+    return _put_slot(model, cur.replace(llm=llm, tts=tts), b, owned)
 
 
 def admit_slot(
-    state: SessionState, template: voicechat.FrameState, slot: jax.Array
+    state: SessionState, template: voicechat.FrameState, slot: jax.Array, owned=None
 ) -> SessionState:
     """Slot ``slot`` (an int32 scalar) set to the fresh-session template, in place: ``insert``
-    for one slot, as its own program (``make_staged``). Its live flag and key are the tick's."""
-    return state.replace(model=_put_slot(state.model, template, slot))
+    for one slot, as its own program (``make_staged``). Its live flag and key are the tick's.
+    ``owned``: whether this device holds the slot (``_put_slot``; on a mesh)."""
+    return state.replace(model=_put_slot(state.model, template, slot, owned))
 
 
 def reseed_slot(
@@ -213,6 +225,7 @@ def reseed_slot(
     slot: jax.Array,
     capsule: jax.Array,
     capsule_len: jax.Array,
+    owned=None,
     *,
     cfg: ModelConfig,
 ) -> SessionState:
@@ -220,24 +233,28 @@ def reseed_slot(
     place: ``reseed`` for one slot, as its own program (``make_staged``). The host sends an
     empty capsule to ``restart_slot`` instead."""
     llm = _capsule_llm(params, template, capsule[None], capsule_len[None], cfg=cfg)
-    return swap_slot(state, template, slot, llm)
+    return swap_slot(state, template, slot, llm, owned)
 
 
 def restart_slot(
-    state: SessionState, template: voicechat.FrameState, slot: jax.Array
+    state: SessionState, template: voicechat.FrameState, slot: jax.Array, owned=None
 ) -> SessionState:
     """Slot ``slot`` rolled over with an empty capsule, in place: ``reseed_slot`` without the
     prefill, which would leave the template's LLM state as it is (``make_staged``)."""
-    return swap_slot(state, template, slot, template.llm)
+    return swap_slot(state, template, slot, template.llm, owned)
 
 
 def swap_slot(
-    state: SessionState, template: voicechat.FrameState, slot: jax.Array, llm: nano.NanoState
+    state: SessionState,
+    template: voicechat.FrameState,
+    slot: jax.Array,
+    llm: nano.NanoState,
+    owned=None,
 ) -> SessionState:
     """Slot ``slot`` rolled over to the LLM state ``llm`` ([1, ...]: a ``CapsuleLane``'s, the
     capsule prefilled a beat before), in place: ``reseed_slot`` with its prefill already done
     (``make_staged``)."""
-    return state.replace(model=_restart_one(state.model, template, slot, llm))
+    return state.replace(model=_restart_one(state.model, template, slot, llm, owned))
 
 
 def hold_full(model: voicechat.FrameState, fpt: int, mask: jax.Array) -> voicechat.FrameState:

@@ -84,7 +84,7 @@ def engine_part(rows: list[dict]) -> None:
     top = buckets[-1]
     cfg, params = er.build(FLAGS.model)
     serve = er.serve_config(slots=top, context_frames=FLAGS.context_frames)
-    fixed = Engine(params, cfg, serve, staged=False)  # its tick is shared with the buckets
+    fixed = Engine(params, cfg, serve)  # its programs are shared with the buckets
     fixed.compile_tick()
     rows.append({**base, "kind": "compile", "engine": "fixed", "programs": 1,
                  "compile_s": fixed.compile_s, "template_s": fixed.template_s})  # fmt: skip
@@ -95,12 +95,11 @@ def engine_part(rows: list[dict]) -> None:
     plans = churn_plans(top, FLAGS.ticks, fixed.samples_per_beat)
     row, _ = er.serve(fixed, plans, FLAGS.ticks)
     rows.append({**base, "kind": "serve", "engine": "fixed", **row})
-    shared = {top: fixed.compile_tick()}
+    shared = {top: fixed.programs()}
     template = fixed.template
     fixed.state = None  # its state goes before the bucket engine's (they need not fit together)
     del fixed
-    engine = Engine(params, cfg, serve, buckets=buckets, template=template,
-                          ticks=shared)  # fmt: skip
+    engine = Engine(params, cfg, serve, buckets=buckets, template=template, programs=shared)
     engine.compile_tick()
     rows.append({**base, "kind": "compile", "engine": "buckets", "programs": engine.compiles,
                  "compile_s": engine.compile_s, "buckets": buckets})  # fmt: skip
