@@ -355,9 +355,15 @@ def test_resize_copies_kept_slots_bit_for_bit(bucket_engine):
     beat.admit[:] = True
     beat.key[:] = [[1, 2], [3, 4]]
     beat.audio[:] = np.stack([_speech(0.16, 5), _speech(0.16, 6)])
+    beat.prefill[:] = True  # both slots' next roll-overs prefilled behind the tick
+    beat.capsule[:, :3] = [[1, 2, 3], [5, 6, 7]]
+    beat.capsule_len[:] = 3
     e.tick(beat)
+    assert e.prefilled == (0, 1)
     before = jax.device_get(e.state)
     e.place(sched.BeatPlan(run=np.ones(2, bool), bucket=1, moves=(sched.Move("s", 1, 0),)))
+    assert e.prefilled == (0,)  # slot 1's lane moved with it; slot 0's, not kept, dropped
+    assert e._lanes[0].holds(np.array([5, 6, 7]))
     after = jax.device_get(e.state)
     chex.assert_trees_all_equal(
         jax.tree_util.tree_map(lambda x: x[1:2], before), jax.tree_util.tree_map(np.asarray, after)
