@@ -3,6 +3,8 @@
 ``provenance()`` is the part every row carries: the commit of the checkout, the device, the jax
 version, the command line that ran and the UTC time. ``RowLog`` appends each row to a JSON-lines
 file as it is measured (a device call cut short keeps what it measured), with the provenance.
+Rows that no device measured (a simulation fitted to measured rows) say so: ``device`` is
+``SIMULATION``.
 ``experiments.rows`` reads the committed rows, holds older ones to the same keys and prints the
 READMEs' tables from them.
 """
@@ -17,6 +19,7 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+SIMULATION = "simulation"  # the device of a simulated row
 
 
 def _git(*args: str) -> str:
@@ -36,13 +39,14 @@ def commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def provenance() -> dict:
-    """The commit, the device, the jax version, the command and the time of a measurement."""
+def provenance(device: str | None = None) -> dict:
+    """The commit, the device, the jax version, the command and the time of a measurement;
+    ``device`` (e.g. ``SIMULATION``) in place of the first JAX device's kind."""
     import jax
 
     return {
         "commit": commit(),
-        "device": jax.devices()[0].device_kind,
+        "device": device or jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "command": shlex.join([pathlib.Path(sys.executable).name, *sys.argv]),
         "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -68,21 +72,28 @@ def latency_fields(summary: dict) -> dict:
     }
 
 
-class RowLog:
-    """JSON-lines rows appended to ``path`` as they are measured, each with the provenance."""
+def _plain(value):
+    """A value JSON has no form for: a numpy (or jax) scalar or array as numbers, else its text."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
 
-    def __init__(self, path: str | pathlib.Path | None):
-        self.path = None if path is None else pathlib.Path(path)
+
+class RowLog:
+    """JSON-lines rows appended to ``path`` as they are measured, each with the provenance (taken
+    at the first row; ``device`` as ``provenance``'s). No ``path``: the rows are only kept."""
+
+    def __init__(self, path: str | pathlib.Path | None, device: str | None = None):
+        self.path = pathlib.Path(path) if path else None
+        self.device = device
         self.rows: list[dict] = []
         self._provenance: dict | None = None
 
     def write(self, row: dict) -> dict:
         if self._provenance is None:
-            self._provenance = provenance()
+            self._provenance = provenance(self.device)
         row = {**row, **self._provenance}
         self.rows.append(row)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as f:
-                f.write(json.dumps(row, default=str) + "\n")
+                f.write(json.dumps(row, default=_plain) + "\n")
         return row

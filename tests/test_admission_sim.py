@@ -160,6 +160,10 @@ def test_sim_part_writes_the_burst_check(tmp_path):
     assert [r["queue_beats"] for r in adm] == [0, 60]
     assert all(r["replay_matches"] for r in adm)
     assert [r["admit_calls_matches"] for r in adm] == [True, False]
+    # the measured rows named as input; the rows' own provenance: a simulation's
+    assert {(r["input_commit"], r["input_device"], r["device"]) for r in adm + val} == {
+        ("b7b4b9a", "NVIDIA H200", "simulation")
+    }
     assert sorted((r["queue_beats"], r["case"]) for r in val) == [
         (q, c) for q in (0, 60) for c in ("auto_fill", "auto_full", "tick_line")
     ]

@@ -378,8 +378,12 @@ def test_run_fits_the_capacity_rows(tmp_path, config):
     fit = by["fit"]
     assert (fit[0]["row"], fit[0]["slots"]) == ("baseline", 1)  # the 1-slot engine's tick
     assert {r["row"] for r in fit[1:]} == {"probe"}
-    assert {r["commit"] for r in fit} == ({"8593914", "727777b"} if config == "auto"
-                                          else {"d846496", "5386a4f"})  # fmt: skip
+    assert {r["input_commit"] for r in fit} == ({"8593914", "727777b"} if config == "auto"
+                                                else {"d846496", "5386a4f"})  # fmt: skip
+    for r in rows:  # each row with its provenance; the device: a simulation's
+        assert r["device"] == "simulation"
+        assert all(r[k] for k in ("commit", "jax", "measured_at"))
+        assert "run.py" in r["command"]
     assert {r["sessions"] for r in by["validation"]} >= {56, 64, 72}
     for r in fit:  # the line fits every point within a few per cent
         assert abs(r["fit_ms"] / r["measured_ms"] - 1) < 0.05
@@ -419,7 +423,10 @@ def test_engine_rows_reach_the_file_as_they_are_measured(tmp_path):
         engine_runs.run_parts(["engine"], out=str(out), sim_out=str(tmp_path / "sim.jsonl"),
                               plot_path=None, engine_part=engine_part, sim_part=list,
                               plot=None, print_tables=None)  # fmt: skip
-    assert [r["kind"] for r in engine_runs.read_rows(out)] == ["tick", "serve"]
+    written = engine_runs.read_rows(out)
+    assert [r["kind"] for r in written] == ["tick", "serve"]
+    for r in written:  # each with its provenance (experiments.harness)
+        assert all(r[k] for k in ("commit", "device", "jax", "command", "measured_at")), r
 
 
 def test_tick_check_on_the_committed_rows(tmp_path):

@@ -79,7 +79,7 @@ def burst_plans(spb: int) -> list[SessionPlan]:
 
 
 def engine_part(rows: list[dict]) -> None:
-    base = er.provenance(FLAGS.model)
+    base = er.engine_setup(FLAGS.model)
     cfg, params = er.build(FLAGS.model)
     serve = er.serve_config(slots=FLAGS.slots, context_frames=FLAGS.context_frames)
     engine = Engine(params, cfg, serve)
@@ -141,7 +141,8 @@ def burst_check(fit: sim.H200Fit) -> list[dict]:
     server's admission replayed; those of ``sim.admit_calls`` with the beat as time unit; the
     replayed live count and cache fill), and one ``burst_validation`` row per ``BURST_CASES``
     (the dispatch loop on the replayed live count: step cost at each beat's mean fill or at full
-    caches, the fit's host overhead and jitter; the mean of 5 seeds). Only for the current fit
+    caches, the fit's host overhead and jitter; the mean of 5 seeds), each naming the measured row
+    by its ``input_commit`` and ``input_device``. Only for the current fit
     (``--fit=capacity --capacity_config=auto``): the rows are of the current engine.
     """
     path = FLAGS.burst_rows
@@ -185,8 +186,9 @@ def burst_check(fit: sim.H200Fit) -> list[dict]:
         calls = br.admit_calls_counts(schedule, slots=slots, queue_beats=q, ticks=ticks,
                                       warmup=warmup)  # fmt: skip
         steady = slice(warmup, ticks)
-        base = {"queue_beats": q, "slots": slots, "offered": r["offered"], "commit": r["commit"],
-                "device": r["device"], "burst_beats": setup["burst_beats"],
+        base = {"queue_beats": q, "slots": slots, "offered": r["offered"],
+                "input_commit": r["commit"], "input_device": r["device"],
+                "burst_beats": setup["burst_beats"],
                 "mean_call_beats": setup["mean_call_beats"], "run_ticks": ticks,
                 "ticks": r["steady_ticks"]}  # fmt: skip
         out.append({
@@ -316,9 +318,10 @@ def print_burst_check(sim_rows: list[dict]) -> None:
         return " / ".join(str(d[k]) for k in ("refused", "queued", "waited_beats", "session_beats"))
 
     for r in (r for r in sim_rows if r["kind"] == "burst_admission"):
-        print(f"  burst, queue {r['queue_beats']} beats ({r['device']}, {r['commit']}): refused / "
-              f"queued / waited / session-beats: engine {counts(r['engine'])}, replay "
-              f"{counts(r['replay'])}, admit_calls {counts(r['admit_calls'])}; mean live "
+        print(f"  burst, queue {r['queue_beats']} beats ({r['input_device']}, "
+              f"{r['input_commit']}): refused / queued / waited / session-beats: engine "
+              f"{counts(r['engine'])}, replay {counts(r['replay'])}, admit_calls "
+              f"{counts(r['admit_calls'])}; mean live "
               f"{r['mean_live']:.1f}, mean fill {r['mean_fill_frames']:.1f} frames")  # fmt: skip
         if "replay_current_rule" in r:
             c = r["replay_current_rule"]

@@ -122,7 +122,7 @@ def late_plans(n: int, n_ticks: int, spb: int, fraction: float) -> list[SessionP
 
 
 def engine_part(rows: list[dict]) -> None:
-    base = er.provenance(FLAGS.model)
+    base = er.engine_setup(FLAGS.model)
     cfg, params = er.build(FLAGS.model)
     template = None
     one_slot = None

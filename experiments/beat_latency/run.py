@@ -1,13 +1,13 @@
 """Beat latency of the engine: model preset x loop x sessions, random weights, one run each.
 
 Prints one row per configuration (compile time; beat latency p50 / p99 / max over steady ticks;
-missed ticks) and writes the rows as JSON lines to --out. See README.md beside this file.
+missed ticks) and appends the rows as JSON lines to --out as they are measured, each with its
+provenance (``experiments.harness``). See README.md beside this file.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import tempfile
 import time
@@ -31,7 +31,7 @@ flags.DEFINE_integer("ticks", 60, "Ticks per run (160 ms beats), warm-up include
 flags.DEFINE_integer("warmup_ticks", 5, "Ticks reported apart as warm-up.")
 flags.DEFINE_integer("context_frames", 256, "Context cap in frames (short context).")
 flags.DEFINE_enum("clock", "realtime", ["realtime", "offline"], "Beat clock.")
-flags.DEFINE_string("out", None, "JSON-lines output file.")
+flags.DEFINE_string("out", None, "JSON-lines file the rows are appended to.")
 flags.DEFINE_enum(
     "at_cap",
     "end",
@@ -170,8 +170,6 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
     s = server.metrics.summary()
     row = {
         "model": FLAGS.model,
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
         "loop": loop,
         **engine.kernels.row(),  # as the engine chose them ('auto' made)
         "sessions": sessions,
@@ -209,17 +207,17 @@ def tick_times(engine: Engine, ticks: int, *, warmup: int = 0) -> np.ndarray:
     return np.asarray(times[warmup:])
 
 
-_provenance = functools.cache(harness.provenance)  # the same for every row of a run
+@functools.cache
+def _rows() -> harness.RowLog:
+    return harness.RowLog(FLAGS.out)  # one provenance for every row of a run
 
 
-def write_row(row: dict) -> None:
-    """Logs a result row and appends it to ``--out`` as a JSON line, with its provenance
-    (``experiments.harness``: commit, device, jax version, command, time)."""
-    row = {**row, **_provenance()}
+def write_row(row: dict) -> dict:
+    """Appends a result row to ``--out`` as a JSON line with its provenance
+    (``experiments.harness``: commit, device, jax version, command, time), logs and returns it."""
+    row = _rows().write(row)
     logging.info("%s", row)
-    if FLAGS.out:
-        with open(FLAGS.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    return row
 
 
 def init_params(cfg, precision):
@@ -261,12 +259,7 @@ def main(argv):
         engine = make_engine(params, cfg, precision, n, template)
         template = engine.template
         for loop in FLAGS.loops:
-            row = measure(engine, loop)
-            rows.append(row)
-            logging.info("%s", row)
-            if FLAGS.out:
-                with open(FLAGS.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            rows.append(write_row(measure(engine, loop)))
         del engine
     print_table(rows)
 

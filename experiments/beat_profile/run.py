@@ -5,7 +5,8 @@ Per slot count B (one engine, the state allocated once): (1) the real-time serve
 ``--loops`` (``experiments/beat_latency``'s ``measure``: p50/p99/max, misses, memory); (2) the
 dispatch tick's device time back to back; (3) admission; (4) every component alone on the
 engine's own state (``components.profile``, which consumes the state). Rows go to ``--out`` as JSON
-lines; a short table is printed last.
+lines as they are measured, each with its provenance (``experiments.harness``); a short table is
+printed last.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def main(argv):
     precision = Precision.reference()
     params = beat_latency.init_params(cfg, precision)
     copy = components.device_copy_tbps(gib=4.0 if jax.default_backend() == "gpu" else 0.25)
-    beat_latency.write_row({"kind": "copy", "tbps": copy, "device": jax.devices()[0].device_kind})
+    beat_latency.write_row({"kind": "copy", "tbps": copy})
     template = None
     served, profiles = [], []
     for B in (int(x) for x in FLAGS.slots):
@@ -49,8 +50,7 @@ def main(argv):
         if str(B) in FLAGS.serve_slots:
             for loop in FLAGS.loops:
                 row = beat_latency.measure(engine, loop) | {"kind": "serve"}
-                served.append(row)
-                beat_latency.write_row(row)
+                served.append(beat_latency.write_row(row))
         engine.compile_tick()
         ticks = beat_latency.tick_times(engine, FLAGS.tick_repeats, warmup=2).tolist()
         tick_ms = float(np.median(ticks)) / engine.serve.frames_per_tick

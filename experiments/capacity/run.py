@@ -10,7 +10,8 @@ session alone per call (a 1-slot engine, one state per session, one call after a
 beat) and reports how many such calls fit in a beat at their p99.
 
 Every attention in the XLA path reads its whole cache whatever the fill, so these rows are the
-worst case of a full two-minute context on every tick. Rows go to ``--out`` as JSON lines.
+worst case of a full two-minute context on every tick. Rows go to ``--out`` as JSON lines as they
+are measured, each with its provenance (``experiments.harness``).
 """
 
 from __future__ import annotations
@@ -74,9 +75,7 @@ def main(argv):
         if FLAGS.baseline_ticks:
             template = beat_latency.make_engine(params, cfg, precision, 1).template
             row = baseline(params, cfg, precision, template, FLAGS.baseline_ticks)
-            row |= tag
-            beat_latency.write_row(row)
-            rows.append(row)
+            rows.append(beat_latency.write_row(row | tag))
         for n in (int(x) for x in FLAGS.sessions):
             try:
                 engine = beat_latency.make_engine(params, cfg, precision, n, template)
@@ -103,15 +102,13 @@ def main(argv):
                 "gpu_s_per_conversation_hour_busy": 3600.0 * beat_ms / engine.serve.beat_ms / n,
                 "gpu_s_per_conversation_hour_reserved": 3600.0 / n,
             }
-            beat_latency.write_row(point)
-            rows.append(point)
+            rows.append(beat_latency.write_row(point))
             if beat_ms >= engine.serve.beat_ms:
                 del engine
                 continue  # it cannot hold at its median: no need to serve it
             for loop in FLAGS.loops:
                 row = beat_latency.measure(engine, loop) | {"kind": "serve", **tag}
-                beat_latency.write_row(row)
-                rows.append(row)
+                rows.append(beat_latency.write_row(row))
             engine.state = None
             del engine
         del params, template

@@ -4,21 +4,24 @@ Times ``checkpoint.verify_files`` in each mode on ``--checkpoint`` (the page cac
 runs ``--repeats`` times, the median is kept), and ``checkpoint.restore`` in each mode; then
 sha256 throughput over ``--hash_files`` files of ``--hash_mib`` MiB written to ``--workdir``, with
 1, 2, ... ``--threads`` hashing threads (``file_digests``, the function verification uses), from
-which it estimates full verification of ``--estimate_gb`` GB (the 11B checkpoint: ~21 GB).
+which it estimates full verification of ``--estimate_gb`` GB (the 11B checkpoint: ~21 GB). The
+rows go to ``--rows`` (rewritten) as they are measured, each with its provenance
+(``experiments.harness``).
 
   python -m experiments.checkpoint_verify.run --checkpoint=checkpoints/tiny --rows=/tmp/rows.jsonl
 """
 
 from __future__ import annotations
 
-import json
 import os
+import pathlib
 import shutil
 import statistics
 import time
 
 from absl import app, flags
 
+from experiments import harness
 from voicechat_jax import checkpoint as ckpt
 from voicechat_jax.precision import Precision
 
@@ -45,7 +48,8 @@ def _median_seconds(fn, repeats: int) -> float:
 
 def main(argv: list[str]) -> None:
     del argv
-    rows = []
+    pathlib.Path(FLAGS.rows).unlink(missing_ok=True)
+    log = harness.RowLog(FLAGS.rows)
     listing = ckpt.verify_files(os.path.abspath(FLAGS.checkpoint), ckpt.Verify.SIZES)
     n_bytes = sum(f["bytes"] for f in listing.values())
     for verify in ckpt.Verify:
@@ -53,7 +57,7 @@ def main(argv: list[str]) -> None:
             lambda v=verify: ckpt.verify_files(os.path.abspath(FLAGS.checkpoint), v),
             FLAGS.repeats,
         )
-        rows.append(
+        log.write(
             {
                 "what": "verify_files",
                 "verify": verify.value,
@@ -71,7 +75,7 @@ def main(argv: list[str]) -> None:
                 ckpt.restore(FLAGS.checkpoint, Precision.fp32(), verify=verify)
                 times[verify].append(time.perf_counter() - t0)
         for verify, seconds in times.items():
-            rows.append(
+            log.write(
                 {"what": "restore", "verify": verify.value, "seconds": statistics.median(seconds)}
             )
 
@@ -88,7 +92,7 @@ def main(argv: list[str]) -> None:
             seconds = _median_seconds(
                 lambda t=threads: ckpt.file_digests(FLAGS.workdir, names, workers=t), 3
             )
-            rows.append(
+            log.write(
                 {
                     "what": "sha256",
                     "threads": threads,
@@ -100,9 +104,7 @@ def main(argv: list[str]) -> None:
     finally:
         shutil.rmtree(FLAGS.workdir, ignore_errors=True)
 
-    with open(FLAGS.rows, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    rows = log.rows
     print(f"checkpoint {FLAGS.checkpoint}: {len(listing)} files, {n_bytes:,} bytes")
     print(f"{'measured':<34} {'seconds':>9}")
     for row in rows:

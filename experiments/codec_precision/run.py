@@ -7,13 +7,13 @@ choice). Rows: median and p90 ms of a beat's decode, the decoder's FLOPs counted
 and the rate they imply, and the waveform's error against ``float32`` (the faithful choice) over
 every beat, relative (``|wav - ref| / |ref|`` over the whole run) and as the largest sample
 difference over the largest reference sample. A choice that fails to compile or run is a row with
-its ``error``; the run goes on.
+its ``error``; the run goes on. Rows are appended to ``--out`` as they are measured, each with its
+provenance (``experiments.harness``).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import time
 
 import jax
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
 from voicechat_jax import config as config_lib
 from voicechat_jax.model import codec
 from voicechat_jax.precision import CODEC_MATMUL, Precision
@@ -87,21 +88,19 @@ def main(argv):
     gflop = decoder_gflop(cfg)
     device = jax.devices()[0].device_kind
     T = FLAGS.frames_per_tick
-    rows = []
+    log = harness.RowLog(FLAGS.out)
     for B in (int(x) for x in FLAGS.sessions):
         rng = np.random.default_rng(B)
         shape = (WARMUP + FLAGS.beats, B, T, cfg.n_quantizers)
         codes = rng.integers(0, cfg.codebook_size, shape, dtype=np.int32)
         ref = None
         for matmul in FLAGS.matmuls:
-            row = {"model": FLAGS.model, "device": device, "jax": jax.__version__}
-            row |= {"sessions": B, "frames_per_tick": T, "matmul": matmul}
+            row = {"model": FLAGS.model, "sessions": B, "frames_per_tick": T, "matmul": matmul}
             try:
                 timing, wav = run_choice(params, cfg, B, matmul, codes)
             except Exception as e:  # a choice the platform refuses is a result
                 row["error"] = str(e)[:300]
-                rows.append(row)
-                _write(row)
+                _write(log, row)
                 continue
             if matmul == "float32":
                 ref = wav
@@ -112,12 +111,11 @@ def main(argv):
                 diff = wav.astype(np.float64) - ref
                 row["wav_rel_err"] = float(np.linalg.norm(diff) / np.linalg.norm(ref))
                 row["wav_max_err"] = float(np.abs(diff).max() / np.abs(ref).max())
-            rows.append(row)
-            _write(row)
+            _write(log, row)
     print(f"codec decode on {device}, {FLAGS.model}, {gflop:.3g} GFLOP a session-frame, {T} frames")
     head = ("B", "matmul", "ms p50", "TFLOP/s", "wav rel err", "max err")
     print("{:>4} {:>14} {:>8} {:>8} {:>12} {:>9}".format(*head))
-    for r in rows:
+    for r in log.rows:
         if "error" in r:
             print(f"{r['sessions']:4d} {r['matmul']:>14} error: {r['error'][:60]}")
             continue
@@ -128,11 +126,9 @@ def main(argv):
         )
 
 
-def _write(row: dict) -> None:
+def _write(log: harness.RowLog, row: dict) -> None:
     logging.info("%s", row)
-    if FLAGS.out:
-        with open(FLAGS.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    log.write(row)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,15 @@ for ``cuda:90`` and assembled by the first ``ptxas`` that accepts its PTX (``-v`
 registers and spills). The Triton that compiles here is the pip package's, not the one inside the
 GPU machine's jaxlib, so the numbers describe the kernel's structure, not its speed.
 
-Rows (one per kernel and tiling) go to ``--out`` as JSON lines; a table is printed last.
+Rows (one per kernel and tiling) go to ``--out`` as JSON lines as they come, each with its
+provenance (``experiments.harness``: ``device`` is this machine's, the target is ``target``); a
+table is printed last.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 import re
 import subprocess
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
+from experiments import harness
 from pallas_kernels.decode_attention import DecodeAttentionBlocks, decode_attention
 from pallas_kernels.mha_decode_attention import MHABlocks, mha_decode_attention
 from voicechat_jax import config as config_lib
@@ -159,8 +161,8 @@ def main(argv):
     scale = tts.query_pre_attn_scalar**-0.5
     import triton
 
-    base = {"jax": jax.__version__, "triton": triton.__version__, "target": "cuda:90 (sm_90a)"}
-    rows = []
+    base = {"triton": triton.__version__, "target": "cuda:90 (sm_90a)"}
+    log = harness.RowLog(FLAGS.out)
     with tempfile.TemporaryDirectory() as workdir:
         for kv in FLAGS.kv:
             args = (
@@ -194,10 +196,7 @@ def main(argv):
                 except Exception as e:  # recorded, and the sweep goes on
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 logging.info("%s", row)
-                rows.append(row)
-                if FLAGS.out:
-                    with open(FLAGS.out, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                log.write(row)
     print(
         f"sm_90a compile check, speech decoder G = 1, {FLAGS.slots} slots, S {S}, H {H} "
         "(structure only, no timing)"
@@ -206,7 +205,7 @@ def main(argv):
         f"{'kernel':>6} {'blocks':>14} {'kv':>8} {'regs':>5} {'spill':>5} {'smem':>6} "
         f"{'loop cvt':>8}  loads"
     )
-    for r in rows:
+    for r in log.rows:
         start = f"{r['kernel']:>6} {r['blocks']:>14} {r['kv_dtype']:>8}"
         if "error" in r:
             print(f"{start}  {r['error']}")

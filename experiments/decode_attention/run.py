@@ -11,7 +11,8 @@ median of ``--repeats`` calls, each blocked on. Reports ms per layer, the bytes 
 (the rows each slot attends to, in k and v, plus q and the output: what a kernel that skips
 unattended rows needs; XLA reads the whole cache whatever the fill), the achieved TB/s on those
 bytes, and each output's error against XLA's. A plain device copy is timed in the same process
-for scale. Rows go to ``--out`` as JSON lines as they are measured; a table is printed last. A
+for scale. Rows go to ``--out`` as JSON lines as they are measured, each with its provenance
+(``experiments.harness``); a table is printed last. A
 configuration that fails to compile or run (cuDNN's shape rules, a Triton error) is recorded as
 a row with its error and the run goes on.
 
@@ -23,14 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
 from experiments.beat_profile.components import device_copy_tbps, rel_err, time_calls
 from pallas_kernels.decode_attention import DecodeAttentionBlocks
 from pallas_kernels.mha_decode_attention import MHABlocks, plan
@@ -192,12 +192,15 @@ def _blocks(spec: str) -> DecodeAttentionBlocks:
     return DecodeAttentionBlocks(block_s=block_s, split_s=split_s, num_warps=num_warps)
 
 
-def _write(row: dict) -> None:
+@functools.cache
+def _rows() -> harness.RowLog:
+    return harness.RowLog(FLAGS.out)
+
+
+def _write(row: dict) -> dict:
+    """``row`` with its provenance, appended to ``--out``."""
     logging.info("%s", row)
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    return _rows().write(row)
 
 
 def _windows(sh: Shape, config_window: int) -> list[int | None]:
@@ -253,8 +256,7 @@ def run_config(sh, slots, kv_dtype, window, rows, base) -> None:
             skip = "cuDNN flash attention takes fp16/bf16 only"
         if skip:
             for fill in fills:
-                rows.append(dict(common, fill=fill, skipped=skip))
-                _write(rows[-1])
+                rows.append(_write(dict(common, fill=fill, skipped=skip)))
             continue
         fn = layered(str(impl), window, sh.scale, blocks)
         for fill in fills:
@@ -266,8 +268,7 @@ def run_config(sh, slots, kv_dtype, window, rows, base) -> None:
                 )
             except Exception as e:  # any compile or run failure is recorded, and the run goes on
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                rows.append(row)
-                _write(row)
+                rows.append(_write(row))
                 continue
             ms = float(np.median(times)) * 1e3 / layers
             need = needed_bytes(sh, lengths, window, kv_dtype)
@@ -284,8 +285,7 @@ def run_config(sh, slots, kv_dtype, window, rows, base) -> None:
                 reference[fill] = np.asarray(out[0], np.float32)
             elif fill in reference:
                 row["err_vs_xla"] = rel_err(out[0], reference[fill])
-            rows.append(row)
-            _write(row)
+            rows.append(_write(row))
             del out
     del qs, ks, vs
 
@@ -322,15 +322,14 @@ def main(argv):
     all_shapes, config_window = shapes(FLAGS.tiny)
     slot_counts = [2] if FLAGS.tiny else [int(s) for s in FLAGS.slots]
     device = jax.devices()[0]
-    base = {"device": device.device_kind, "jax": jax.__version__}
     copy = device_copy_tbps(FLAGS.copy_gib) if FLAGS.copy_gib > 0 and not FLAGS.tiny else None
     logging.info("device %s, jax %s, copy %s TB/s", device.device_kind, jax.__version__, copy)
     if copy is not None:
-        _write(dict(base, device_copy_TBps=copy))
+        _write({"device_copy_TBps": copy})
     rows: list[dict] = []
     for name in FLAGS.models:
         sh = all_shapes[name]
-        base_sh = dict(base, **dataclasses.asdict(sh))
+        base_sh = dataclasses.asdict(sh)
         kv_dtypes = [jnp.dtype(d) for d in FLAGS.tts_kv] if name == "tts" else [jnp.bfloat16]
         for slots in slot_counts:
             for kv_dtype in kv_dtypes:

@@ -2,7 +2,8 @@
 apart. See README.md.
 
 For one engine of ``--slots`` slots, every slot live (the model, kernels and cap come from
-``experiments/beat_latency``'s flags), rows to ``--out`` as JSON lines:
+``experiments/beat_latency``'s flags), rows to ``--out`` as JSON lines, each with its provenance
+(``experiments.harness``):
 
 1. ``program``: the argument leaves of the tick (params, state, template, beat) and, as a proxy for
    its kernel launches, the fusions and custom calls in its optimized HLO (a loop's body counted
@@ -112,16 +113,11 @@ def time_synthetic(n: int, calls: int) -> dict:
 
 def main(argv):
     del argv
-    base = {
-        "label": FLAGS.label,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-    }
+    base = {"label": FLAGS.label, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     rows = []
     for n in (int(x) for x in FLAGS.leaves):
-        rows.append(base | {"kind": "synthetic"} | time_synthetic(n, FLAGS.synthetic_calls))
-        beat_latency.write_row(rows[-1])
+        row = base | {"kind": "synthetic"} | time_synthetic(n, FLAGS.synthetic_calls)
+        rows.append(beat_latency.write_row(row))
     cfg = config_lib.PRESETS[FLAGS.model]()
     precision = policy(FLAGS.policy)
     params = beat_latency.init_params(cfg, precision)
@@ -133,18 +129,17 @@ def main(argv):
         "template": len(jax.tree.leaves(engine.template)),
         "beat": len(jax.tree.leaves(engine.empty_beat())),
     }
-    rows.append(
+    row = (
         base
         | {"kind": "program", "model": FLAGS.model, "slots": FLAGS.slots, "staged": engine.staged}
         | {"leaves": leaves, "compile_s": engine.compile_s}
         | launches(program)
     )
-    beat_latency.write_row(rows[-1])
+    rows.append(beat_latency.write_row(row))
     timed = time_tick(engine, program, FLAGS.ticks)
-    rows.append(base | {"kind": "tick", "slots": FLAGS.slots} | timed)
-    beat_latency.write_row(rows[-1])
+    rows.append(beat_latency.write_row(base | {"kind": "tick", "slots": FLAGS.slots} | timed))
 
-    print(f"{FLAGS.label} on {base['device']} (XLA_FLAGS={base['xla_flags'] or 'none'})")
+    print(f"{FLAGS.label} on {rows[0]['device']} (XLA_FLAGS={base['xla_flags'] or 'none'})")
     for r in rows:
         if r["kind"] == "synthetic":
             c = r["call_ms"]

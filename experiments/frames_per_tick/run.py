@@ -64,7 +64,7 @@ FRAME_MS = 80.0
 
 
 def engine_part(rows: list[dict]) -> None:
-    base = er.provenance(FLAGS.model)
+    base = er.engine_setup(FLAGS.model)
     cfg, params = er.build(FLAGS.model)
     template = None
     for f in (int(x) for x in FLAGS.fpt):

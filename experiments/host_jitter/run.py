@@ -10,7 +10,9 @@ deadline as well).
 same file with ``PYTHONPATH`` pointing at that checkout. The script notices that its ``Server`` has
 no host timeline (``legacy`` rows): it then reports what that code measured (misses, skipped ticks,
 latency) and counts the collections itself through ``gc.callbacks``, with the misses that had a
-collection inside them. See README.md beside this file.
+collection inside them. Rows are appended to ``--out`` as they are measured, each with its
+provenance (``experiments.harness``, from this script's checkout: the "before" run needs it on
+``PYTHONPATH`` after the code under test). See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
 from voicechat_jax import config as config_lib
 from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
@@ -123,8 +126,6 @@ def measure(engine: Engine, loop: str, gc_policy: str, busy: bool) -> dict:
     row = {
         "code": FLAGS.label or ("before" if legacy else "after"),
         "preset": FLAGS.preset,
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
         "python": sys.version.split()[0],
         "loop": loop,
         "gc_policy": "python default" if legacy else gc_policy,
@@ -193,20 +194,15 @@ def main(argv):
     jax.block_until_ready(params)
     engine = Engine(params, cfg, serve)
     logging.info("engine built in %.1f s", time.perf_counter() - t)
-    rows = []
+    log = harness.RowLog(FLAGS.out)
     policies = ["python default"] if _legacy() else FLAGS.gc_policies
     for loop in FLAGS.loops:
         for policy in policies:
             for busy in (x == "1" for x in FLAGS.busy):
                 row = measure(engine, loop, policy, busy)
                 row["precision"] = precision_name
-                rows.append(row)
-                logging.info("%s", row)
-                if FLAGS.out:
-                    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-                    with open(FLAGS.out, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-    _print_table(rows)
+                logging.info("%s", log.write(row))
+    _print_table(log.rows)
 
 
 def _print_table(rows: list[dict]) -> None:

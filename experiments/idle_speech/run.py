@@ -102,7 +102,7 @@ def _scatter(tree, idx, sub):
 
 
 def engine_part(rows: list[dict]) -> None:
-    base = er.provenance(FLAGS.model)
+    base = er.engine_setup(FLAGS.model)
     cfg, params = er.build(FLAGS.model)
     serve = er.serve_config(slots=1, context_frames=FLAGS.context_frames)
     template = build_template(params, cfg, serve)

@@ -16,13 +16,13 @@ Two kinds of rows (see README.md beside this file):
   beats: 2 GPUs against 1 at twice the sessions.
 
 Random weights. On the CPU ``--cpu_devices`` fakes the devices (they share the host's cores, so
-the CPU rows show overheads and collectives, never a speed-up).
+the CPU rows show overheads and collectives, never a speed-up). Rows are appended to ``--out`` as
+they are measured, each with its provenance (``experiments.harness``).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import threading
 import time
@@ -34,6 +34,7 @@ from absl import app, flags, logging
 from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
+from experiments import harness
 from voicechat_jax import config as config_lib
 from voicechat_jax import mesh as mesh_lib
 from voicechat_jax import state as state_lib
@@ -313,7 +314,7 @@ def main(argv):
     params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
     jax.block_until_ready(params)
     logging.info("random %s params in %.1f s", FLAGS.model, time.perf_counter() - t)
-    rows, template, reference = [], None, {}
+    log, template, reference = harness.RowLog(FLAGS.out), None, {}
     for n in (int(x) for x in FLAGS.devices):
         serve = config_lib.ServeConfig(
             slots=n * FLAGS.slots_per_device,
@@ -328,9 +329,7 @@ def main(argv):
         beats = scripted_beats(engine, FLAGS.beats)
         base = {
             "model": FLAGS.model,
-            "device": jax.devices()[0].device_kind,
             "platform": jax.devices()[0].platform,
-            "jax": jax.__version__,
             "precision": FLAGS.precision,
             "devices": n,
             "slots": serve.slots,
@@ -340,7 +339,7 @@ def main(argv):
                 continue
             if loop == "gspmd":
                 if mesh is not None:
-                    rows.append(base | {"kind": "loop", "loop": loop} | gspmd_collectives(engine))
+                    log.write(base | {"kind": "loop", "loop": loop} | gspmd_collectives(engine))
                 continue
             if loop == "dispatch":
                 row, tokens = run_dispatch(engine, beats)
@@ -349,16 +348,11 @@ def main(argv):
             # Every loop over these devices must give what the first one (dispatch) gave.
             ref = reference.setdefault(n, tokens)
             row["same_tokens"] = bool(np.array_equal(ref, tokens))
-            rows.append(base | {"kind": "loop", "loop": loop} | row)
-            logging.info("%s", rows[-1])
+            logging.info("%s", log.write(base | {"kind": "loop", "loop": loop} | row))
         if FLAGS.capacity:
-            rows.append(base | {"kind": "capacity"} | capacity_row(engine))
+            log.write(base | {"kind": "capacity"} | capacity_row(engine))
         del engine
-    if FLAGS.out:
-        with open(FLAGS.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-    print_table(rows)
+    print_table(log.rows)
 
 
 if __name__ == "__main__":

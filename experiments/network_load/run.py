@@ -4,8 +4,9 @@ Starts the server as its own process (``--slots`` = ``--clients``, on loopback),
 ``/readyz`` says it is ready (the tick compiled), runs the load client (``serving.net.load``: N
 calls paced on their own clocks, then call N+1, which must be refused), reads the server's
 ``/metrics``, drains the server with SIGTERM and takes its own summary from its ``metrics.jsonl``.
-One JSON row per client, one summary row (with the server's figures), appended to ``--rows``; a
-table at the end. See README.md beside this file.
+One JSON row per client, one summary row (with the server's figures), appended to ``--rows``, each
+with its provenance (``experiments.harness``; the device is the first JAX device of this machine,
+which the server runs on); a table at the end. See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 import soxr
 from absl import app, flags, logging
 
+from experiments import harness
 from voicechat_jax.serving import audio as audio_lib
 from voicechat_jax.serving.net import load
 
@@ -121,10 +123,10 @@ def main(argv: list[str]) -> None:
         f"{report.get('skipped_by_cause')}), exit {server.returncode}"
     )
     if FLAGS.rows:
-        with open(FLAGS.rows, "a") as f:
-            for r in rows:
-                f.write(json.dumps({**r.to_json(), "label": summary["label"]}) + "\n")
-            f.write(json.dumps(summary) + "\n")
+        log = harness.RowLog(FLAGS.rows)
+        for r in rows:
+            log.write({**r.to_json(), "label": summary["label"]})
+        log.write(summary)
 
 
 if __name__ == "__main__":

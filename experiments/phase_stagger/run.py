@@ -113,7 +113,7 @@ def staggered_run(engine: Engine, groups: int, n_ticks: int, warmup: int) -> dic
 
 
 def engine_part(rows: list[dict]) -> None:
-    base = er.provenance(FLAGS.model)
+    base = er.engine_setup(FLAGS.model)
     cfg, params = er.build(FLAGS.model)
     template = None
     for n in (int(x) for x in FLAGS.sessions):

@@ -8,9 +8,10 @@ configurations with ``serve_config``, then measures with:
 - ``serve``: a serving run of scripted sessions on the beat clock under a scheduler, one row;
 - ``time_call``: the median wall time of any jitted call, blocked on.
 
-Rows carry the model, device, jax version and the engine's git commit (``provenance``), so that a
-README can say what its rows were measured on. On the CPU with the tiny model the rows are smoke
-rows (shapes and mechanics, not capacity).
+Engine rows carry the model and the engine flags (``engine_setup``) and, written by ``RowLog``,
+the provenance every row carries (``experiments.harness``: commit, device, jax version, command,
+time); simulated rows carry it with the device ``simulation``. On the CPU with the tiny model the
+engine rows are smoke rows (shapes and mechanics, not capacity).
 """
 
 from __future__ import annotations
@@ -36,10 +37,9 @@ from voicechat_jax.serving.server import Server, SessionPlan
 _REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-def provenance(model: str) -> dict:
-    """Model preset and engine flags, with what every row carries (``experiments.harness``:
-    the commit, device, jax version, command and time)."""
-    return {"model": model, **harness.provenance(), **engine_flags()}
+def engine_setup(model: str) -> dict:
+    """Model preset and engine flags, for every engine row (``RowLog`` adds the provenance)."""
+    return {"model": model, **engine_flags()}
 
 
 def define_engine_flags() -> None:
@@ -173,29 +173,19 @@ def plans_all_joined(n: int, n_ticks: int, samples_per_beat: int) -> list[Sessio
     ]
 
 
-def write_rows(path: str | None, rows: Sequence[dict]) -> None:
-    """Appends ``rows`` to ``path`` as JSON lines (and logs them)."""
-    for r in rows:
-        logging.info("%s", r)
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r, default=float) + "\n")
-
-
 class RowLog(list):
-    """The engine part's rows, each appended to ``path`` as it arrives, so a run cut short (a
-    device call's time limit) keeps every row it measured."""
+    """Rows, each appended to ``path`` with its provenance as it arrives (``harness.RowLog``), so
+    a run cut short (a device call's time limit) keeps every row it measured; ``device``: as
+    ``harness.RowLog``'s (``harness.SIMULATION`` for simulated rows)."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, device: str | None = None):
         super().__init__()
-        self.path = path
+        self.log = harness.RowLog(path, device)
 
     def append(self, row: dict) -> None:
+        row = self.log.write(row)
+        logging.info("%s", row)
         super().append(row)
-        write_rows(self.path, [row])
 
     def extend(self, rows) -> None:
         for r in rows:
@@ -223,17 +213,18 @@ def run_parts(
     print_tables: Callable[[list[dict], list[dict]], None],
 ) -> None:
     """The scheduling experiments' ``main``: the real-engine part (rows appended to ``out`` as they
-    are measured), the simulator part (``sim_out`` rewritten), the plot from this run's rows or
-    else the files', and the tables of this run's rows."""
+    are measured), the simulator part (``sim_out`` rewritten, device ``simulation``), the plot
+    from this run's rows or else the files', and the tables of this run's rows."""
     engine_rows = RowLog(out)  # written to ``out`` row by row
     sim_rows: list[dict] = []
     if "engine" in parts:
         engine_part(engine_rows)
     if "sim" in parts:
-        sim_rows = sim_part()
+        rows = sim_part()
         if os.path.exists(sim_out):
             os.remove(sim_out)
-        write_rows(sim_out, sim_rows)
+        sim_rows = RowLog(sim_out, harness.SIMULATION)
+        sim_rows += rows
     if plot_path:
         sr = sim_rows or (read_rows(sim_out) if os.path.exists(sim_out) else [])
         en = engine_rows or (read_rows(out) if out and os.path.exists(out) else [])

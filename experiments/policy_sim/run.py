@@ -3,7 +3,9 @@
 Fits the step-cost and tail models (``sim.py``) to H200 rows, checks the simulated lockstep server
 against the real one, compares policies (lockstep, batch-1 stepping, request-style batching with a
 window) at fixed loads, serves an hour of Poisson calls, and sketches several GPUs behind a router.
-Writes raw rows (JSON lines) and a PNG; prints short tables last. ``--fit`` picks the rows:
+Writes raw rows (JSON lines, as they come, each with its provenance: ``experiments.harness``, the
+device ``simulation``; a row that names a measured row it was fitted to gives that row's commit as
+``input_commit``) and a PNG; prints short tables last. ``--fit`` picks the rows:
 ``capacity`` (default: the current engine's ``experiments/capacity`` rows, ``sim.fit_capacity``)
 or ``beat_profile`` (the older engine's ``experiments/beat_profile`` rows, ``sim.fit_h200``: the
 README's historical section). See README.md beside this file. Host only: no device is used.
@@ -12,14 +14,13 @@ README's historical section). See README.md beside this file. Host only: no devi
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import pathlib
 
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
 from experiments.policy_sim import engine_runs as er
 from experiments.policy_sim import fits, sim
 
@@ -125,8 +126,9 @@ def _capacity_extras(fit: sim.H200Fit, caps: dict, seeds, n_beats: int, emit) ->
           "busy_gpu_s_per_conv_h": at.get("busy_gpu_s_per_conv_h")})  # fmt: skip
     for r in (r for r in fit.ticks if r["kind"] == "baseline"):
         model_p99 = fit.cost.tick_ms(1) + fit.tail.p99_minus_p50_ms(1)
-        emit({"kind": "baseline_check", "commit": r.get("commit"), "measured_p50_ms": r["ms_p50"],
-              "measured_p99_ms": r["ms_p99"], "measured_held": r["sessions_held"],
+        emit({"kind": "baseline_check", "input_commit": r.get("commit"),
+              "measured_p50_ms": r["ms_p50"], "measured_p99_ms": r["ms_p99"],
+              "measured_held": r["sessions_held"],
               "rule_held": int(sim.BEAT_MS // r["ms_p99"]), "fit_tick_ms": fit.cost.tick_ms(1),
               "model_p99_ms": model_p99, "model_rule_held": int(sim.BEAT_MS // model_p99),
               "sim_batch1_capacity": caps["batch1"]})  # fmt: skip
@@ -144,10 +146,11 @@ def capacity(run_at, start: int = 1, stop: int = 256) -> int:
 
 def main(argv):
     del argv
-    rows_out: list[dict] = []
-
-    def emit(row: dict) -> None:
-        rows_out.append(row)
+    out = FLAGS.out if FLAGS.out is not None else str(_HERE / _DEFAULT_OUT[fits.fit_key()])
+    png = FLAGS.plot if FLAGS.plot is not None else str(_HERE / _DEFAULT_PLOT[fits.fit_key()])
+    pathlib.Path(out).unlink(missing_ok=True)  # rewritten, row by row
+    log = harness.RowLog(out, harness.SIMULATION)
+    emit, rows = log.write, log.rows
 
     fit = fits.fit_models(er.read_rows(FLAGS.profile_rows))  # the rows --fit names
     cost, tail = fit.cost, fit.tail
@@ -162,7 +165,7 @@ def main(argv):
          | {"frames_per_tick": 2})  # fmt: skip
     for row, b, m, p in zip(fit.ticks, B, y, loo, strict=True):
         capacity_row = fit.source == "capacity"
-        where = {"row": row["kind"], "commit": row.get("commit")} if capacity_row else {}
+        where = {"row": row["kind"], "input_commit": row.get("commit")} if capacity_row else {}
         emit({"kind": "fit", "slots": b, "measured_ms": m, "fit_ms": cost.frame_step_ms(b),
               "loo_ms": p, **where})  # fmt: skip
 
@@ -289,17 +292,11 @@ def main(argv):
                   "held_gpu_s_per_conv_h": n_gpu * FLAGS.hour_beats * sim.BEAT_MS / 1e3 / conv_h,
                   "busy_gpu_s_per_conv_h": busy_s / conv_h})  # fmt: skip
 
-    out = FLAGS.out if FLAGS.out is not None else str(_HERE / _DEFAULT_OUT[fits.fit_key()])
-    png = FLAGS.plot if FLAGS.plot is not None else str(_HERE / _DEFAULT_PLOT[fits.fit_key()])
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        for r in rows_out:
-            f.write(json.dumps(r) + "\n")
     if png:
         from experiments.policy_sim import plot  # matplotlib only when a plot is asked for
 
-        plot.plot(rows_out, png)
-    print_tables(rows_out)
+        plot.plot(rows, png)
+    print_tables(rows)
 
 
 def print_tables(rows: list[dict]) -> None:
@@ -350,7 +347,7 @@ def print_tables(rows: list[dict]) -> None:
         busy = r["busy_gpu_s_per_conv_h"] or math.nan
         print(f"{r['policy']:>18} {r['capacity']:>8} {p99:>7.1f} {held:>17.1f} {busy:>6.1f}")
     for r in kind("baseline_check"):
-        print(f"batch-1 baseline ({r['commit']}): tick p50 {r['measured_p50_ms']:.1f}, p99 "
+        print(f"batch-1 baseline ({r['input_commit']}): tick p50 {r['measured_p50_ms']:.1f}, p99 "
               f"{r['measured_p99_ms']:.1f} ms -> 160 // p99 = {r['rule_held']} (row: "
               f"{r['measured_held']}); model t(1) {r['fit_tick_ms']:.1f}, p99 "
               f"{r['model_p99_ms']:.1f} -> {r['model_rule_held']}; simulated batch-1 capacity "

@@ -7,8 +7,9 @@ empty. This script puts the two side by side (the fit at empty and at full cache
 line through every multi-slot point, those ticks and the capacity probes alike
 (``sim.fit_tick_line``, the step cost ``--tick_line`` simulates with). The 2- and 4-slot ticks
 (timed by ``frames_per_tick``'s script) lie below ``--min_slots``: checked against the line, not
-fitted. Rows (JSON lines) to ``--out``; a table last. README.md beside this file. Host only: no
-device is used.
+fitted. Rows (JSON lines, with their provenance: ``experiments.harness``, the device
+``simulation``) to ``--out``; a table last. README.md beside this file. Host only: no device is
+used.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pathlib
 
 from absl import app, flags
 
+from experiments import harness
 from experiments.policy_sim import engine_runs as er
 from experiments.policy_sim import fits, sim
 
@@ -66,7 +68,8 @@ def main(argv):
     )
     if FLAGS.out:
         pathlib.Path(FLAGS.out).unlink(missing_ok=True)
-        er.write_rows(FLAGS.out, rows)
+    log = harness.RowLog(FLAGS.out, harness.SIMULATION)
+    rows = [log.write(r) for r in rows]
     print(f"capacity fit (auto): {cost.a_ms:.2f} + {cost.b_ms:.3f} B + {cost.c_ms:.3f} B x "
           "ms a frame-step")  # fmt: skip
     print(f"{'row':34s} {'B':>3} {'tick':>6} {'fit x=0':>12} {'fit x=1':>12}")

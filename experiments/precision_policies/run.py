@@ -4,18 +4,19 @@ One engine per policy, the same random weights (drawn in fp32, then cast by each
 bundled speech as every session's input, the faithful sampler with the same session keys. Every
 policy runs ``--frames`` frames; the outputs are compared frame by frame with the ``reference``
 policy's: agreement of text and function tokens and of audio codes, and the waveform's relative
-error. Rows go to ``--out`` as JSON lines; a table is printed last.
+error. Rows are appended to ``--out`` as JSON lines as they are measured, each with its provenance
+(``experiments.harness``); a table is printed last.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
 import numpy as np
 from absl import app, flags
 
+from experiments import harness
 from voicechat_jax import config as config_lib
 from voicechat_jax.engine import Engine
 from voicechat_jax.model import voicechat
@@ -31,7 +32,7 @@ flags.DEFINE_list(
 )
 flags.DEFINE_integer("frames", 120, "Frames per session (>= 100).")
 flags.DEFINE_integer("sessions", 2, "Sessions (slots) per run.")
-flags.DEFINE_string("out", None, "JSON-lines output file.")
+flags.DEFINE_string("out", None, "JSON-lines file the rows are appended to.")
 
 SPEECH = os.path.join(os.path.dirname(voicechat.__file__), "..", "assets", "speech_16k.wav")
 
@@ -73,13 +74,12 @@ def main(argv):
     cfg = config_lib.PRESETS[FLAGS.model]()
     params32 = jax.jit(lambda k: voicechat.init(k, cfg, Precision.fp32()))(jax.random.key(0))
     base = run_policy(params32, cfg, policy("reference"))
-    rows = []
+    log = harness.RowLog(FLAGS.out)
     for name in FLAGS.policies:
         got = base if name == "reference" else run_policy(params32, cfg, policy(name))
         wav_err = float(np.linalg.norm(got["wav"] - base["wav"]) / np.linalg.norm(base["wav"]))
         row = {
             "model": FLAGS.model,
-            "device": jax.devices()[0].device_kind,
             "policy": name,
             "frames": FLAGS.frames,
             "sessions": FLAGS.sessions,
@@ -89,10 +89,8 @@ def main(argv):
             "frames_all_codes_agree": float(np.mean(np.all(got["codes"] == base["codes"], -1))),
             "wav_rel_err": wav_err,
         }
-        rows.append(row)
-        if FLAGS.out:
-            with open(FLAGS.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        log.write(row)
+    rows = log.rows
     print(
         f"{FLAGS.model} on {rows[0]['device']}: {FLAGS.frames} frames x {FLAGS.sessions} sessions"
     )

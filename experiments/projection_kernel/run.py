@@ -11,8 +11,9 @@ of ``--repeats`` calls, each blocked on. Reports ms per layer, the achieved TB/s
 bytes (the only large operand), XLA's time over the kernel's, and the kernel's error against XLA.
 A plain device copy is timed in the same process for scale. Then a sweep of the kernel's tiling
 (``--sweep_blocks``) at ``--sweep_shapes`` and ``--sweep_rows``. Rows go to ``--out`` as JSON lines
-as they are measured; a table is printed last. A configuration that fails to compile or run is
-recorded as a row with its error and the run goes on.
+as they are measured, each with its provenance (``experiments.harness``); a table is printed last.
+A configuration that fails to compile or run is recorded as a row with its error and the run goes
+on.
 
 ``--small`` runs the tiny preset's shapes on the CPU (the kernel in the Pallas interpreter): a
 check that the script works, not a measurement. See README.md.
@@ -22,14 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
 from experiments.beat_profile.components import device_copy_tbps, rel_err, time_calls
 from pallas_kernels.matmul import MatmulBlocks, default_blocks, matmul
 from voicechat_jax import config as config_lib
@@ -130,12 +130,15 @@ def layered(impl: str, sh: Shape, layers: int, precision: str | None, blocks, in
     return jax.jit(fn)
 
 
-def _write(row: dict) -> None:
+@functools.cache
+def _rows() -> harness.RowLog:
+    return harness.RowLog(FLAGS.out)
+
+
+def _write(row: dict) -> dict:
+    """``row`` with its provenance, appended to ``--out``."""
     logging.info("%s", row)
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    return _rows().write(row)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -147,7 +150,7 @@ def _random(key, shape: tuple[int, ...], dtype, scale: float) -> jax.Array:
 def measure(sh, R, impl, w, precision, blocks, layers, base, interpret, reference) -> dict:
     """One row: ``impl`` at R rows over ``layers`` weights; ``reference`` holds XLA's output.
 
-    ``base`` is copied into the row (device, jax, and ``sweep`` for the tiling sweep)."""
+    ``base`` is copied into the row (``sweep`` for the tiling sweep)."""
     x = _random(jax.random.key(R), (R, sh.D), jnp.dtype(sh.x), 1.0)
     label = ""
     if impl == "pallas":
@@ -159,8 +162,7 @@ def measure(sh, R, impl, w, precision, blocks, layers, base, interpret, referenc
         times, first_s, out = time_calls(fn, (x, w), 1 if FLAGS.small else FLAGS.repeats)
     except Exception as e:  # any compile or run failure is recorded, and the run goes on
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        _write(row)
-        return row
+        return _write(row)
     ms = float(np.median(times)) * 1e3 / layers
     weight_bytes = sh.D * sh.F * jnp.dtype(sh.w).itemsize
     row.update(
@@ -176,8 +178,7 @@ def measure(sh, R, impl, w, precision, blocks, layers, base, interpret, referenc
         reference[key] = np.asarray(out[0], np.float32)
     elif key in reference:
         row["err_vs_xla"] = rel_err(out[0], reference[key])
-    _write(row)
-    return row
+    return _write(row)
 
 
 def _table(rows: list[dict], title: str) -> None:
@@ -209,11 +210,10 @@ def main(argv):
     sweep_rows = [3] if FLAGS.small else [int(r) for r in FLAGS.sweep_rows]
     interpret = jax.default_backend() == "cpu"
     device = jax.devices()[0]
-    base = {"device": device.device_kind, "jax": jax.__version__}
     copy = device_copy_tbps(FLAGS.copy_gib) if FLAGS.copy_gib > 0 and not FLAGS.small else None
     logging.info("device %s, jax %s, copy %s TB/s", device.device_kind, jax.__version__, copy)
     if copy is not None:
-        _write(dict(base, device_copy_TBps=copy))
+        _write({"device_copy_TBps": copy})
     rows, sweep, reference = [], [], {}
     for name in FLAGS.shapes:
         sh = all_shapes[name]
@@ -223,7 +223,7 @@ def main(argv):
         for precision in precisions:
             for R in rows_list:
                 for impl in ("xla", "pallas"):
-                    rows.append(measure(sh, R, impl, w, precision, None, layers, base, interpret,
+                    rows.append(measure(sh, R, impl, w, precision, None, layers, {}, interpret,
                                         reference))  # fmt: skip
         if name in FLAGS.sweep_shapes:
             for R in sweep_rows:
@@ -233,7 +233,7 @@ def main(argv):
                         split = default_blocks(R, sh.D, sh.F, jnp.dtype(sh.w)).split_d
                         blocks = dataclasses.replace(blocks, split_d=split)
                     sweep.append(measure(sh, R, "pallas", w, precisions[0], blocks, layers,
-                                         dict(base, sweep=True), interpret, reference))  # fmt: skip
+                                         {"sweep": True}, interpret, reference))  # fmt: skip
         del w
     print(
         f"projections, {device.device_kind}, jax {jax.__version__}, device copy "

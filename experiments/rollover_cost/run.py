@@ -4,8 +4,8 @@ Every slot is live (noise audio); after warm-up, beats alternate between plain b
 which ``--rolled`` slots roll over, with capsules of ``--capsule_lens`` ids (U: a full capsule;
 0: an empty one, rolled over without a prefill). Each beat is timed from dispatch to its output
 ready (``block_until_ready``). Prints one row per (sessions, capsule, rolled): p50 / p99 beat
-time of the plain and the roll-over beats and the p50 extra; writes the rows as JSON lines to
-``--out``.
+time of the plain and the roll-over beats and the p50 extra; appends the rows as JSON lines to
+``--out`` as they are measured, each with its provenance (``experiments.harness``).
 
   python3 experiments/rollover_cost/run.py --model=voicechat_11b --sessions=16,56 \
     --capsule_lens=full,0 --out=rows.jsonl
@@ -14,13 +14,13 @@ time of the plain and the roll-over beats and the p50 extra; writes the rows as 
 
 from __future__ import annotations
 
-import json
 import time
 
 import jax
 import numpy as np
 from absl import app, flags
 
+from experiments import harness
 from voicechat_jax import config as config_lib
 from voicechat_jax.engine import Engine
 from voicechat_jax.model import voicechat
@@ -47,7 +47,7 @@ flags.DEFINE_enum(
 flags.DEFINE_enum(
     "attention", "auto", [m.value for m in config_lib.AttentionImpl], "Decode attention (both)."
 )
-flags.DEFINE_string("out", None, "JSON-lines output file.")
+flags.DEFINE_string("out", None, "JSON-lines file the rows are appended to.")
 
 
 def _ms(x: list[float], q: float) -> float:
@@ -103,7 +103,6 @@ def measure(engine: Engine, rolled: int, capsule_len: int) -> dict:
         "rolled": rolled,
         "capsule_tokens": FLAGS.capsule_tokens,
         "capsule_len": capsule_len,
-        "device": str(jax.devices()[0]),
         "ssm_kernel": str(engine.kernels.ssm_kernel),  # as the engine chose them ('auto' made)
         "attention": str(engine.kernels.attention),
         "plain_p50_ms": _ms(plain, 50),
@@ -121,15 +120,12 @@ def main(argv) -> None:
     precision = Precision.fp32() if FLAGS.precision == "fp32" else Precision.reference()
     params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
     lens = [FLAGS.capsule_tokens if x == "full" else int(x) for x in FLAGS.capsule_lens]
-    rows = []
+    log = harness.RowLog(FLAGS.out)
     for s in FLAGS.sessions:
         engine = make_engine(params, cfg, precision, int(s))  # one compile per session count
         for n in lens:
             for r in FLAGS.rolled:
-                rows.append(measure(engine, int(r), n))
-                if FLAGS.out:
-                    with open(FLAGS.out, "a") as f:
-                        f.write(json.dumps(rows[-1]) + "\n")
+                log.write(measure(engine, int(r), n))
     head = (
         "sessions",
         "capsule_len",
@@ -140,7 +136,7 @@ def main(argv) -> None:
         "rollover_p99_ms",
     )
     print(" ".join(f"{h:>16}" for h in head))
-    for row in rows:
+    for row in log.rows:
         print(" ".join(f"{row[h]:>16}" for h in head))
 
 

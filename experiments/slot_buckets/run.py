@@ -79,7 +79,7 @@ def churn_plans(slots: int, n_ticks: int, spb: int) -> list[SessionPlan]:
 
 
 def engine_part(rows: list[dict]) -> None:
-    base = er.provenance(FLAGS.model)
+    base = er.engine_setup(FLAGS.model)
     buckets = sorted(int(x) for x in FLAGS.buckets)
     top = buckets[-1]
     cfg, params = er.build(FLAGS.model)

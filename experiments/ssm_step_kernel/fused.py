@@ -20,7 +20,8 @@ them: one [B, N, H, P] SSM leaf per layer, the conv states stacked [B, L, k-1, C
 Times are the median of ``--repeats`` calls, each blocked on, after 2 warm-up calls (the first
 call's seconds, compile included, are kept in the rows). Each row of an implementation other than
 XLA carries its error against XLA's on the first layer's output and the last layer's SSM state.
-Rows go to ``--out`` as JSON lines; a table is printed last. ``--small`` runs the tiny preset's
+Rows go to ``--out`` as JSON lines as they are measured, each with its provenance
+(``experiments.harness``); a table is printed last. ``--small`` runs the tiny preset's
 Mamba shapes on the CPU with the kernels interpreted: a check that the script works, not a
 measurement. See README.md.
 """
@@ -28,8 +29,6 @@ measurement. See README.md.
 from __future__ import annotations
 
 import functools
-import json
-import os
 import time
 
 import jax
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
 from pallas_kernels.mamba_step import mamba_step, mamba_step_reference
 from voicechat_jax import config as config_lib
 from voicechat_jax.model import nano
@@ -164,12 +164,15 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def _write(row: dict) -> None:
+@functools.cache
+def _rows() -> harness.RowLog:
+    return harness.RowLog(FLAGS.out)
+
+
+def _write(row: dict) -> dict:
+    """``row`` with its provenance, appended to ``--out``."""
     logging.info("%s", row)
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    return _rows().write(row)
 
 
 def _run(row, make_fn, states_of, args, nbytes, reference, key, layers, repeats) -> dict:
@@ -181,8 +184,7 @@ def _run(row, make_fn, states_of, args, nbytes, reference, key, layers, repeats)
         del states
     except Exception as e:  # any compile or run failure is recorded, and the run goes on
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        _write(row)
-        return row
+        return _write(row)
     ms = float(np.median(times)) * 1e3 / layers
     row.update(
         ms=ms,
@@ -197,8 +199,7 @@ def _run(row, make_fn, states_of, args, nbytes, reference, key, layers, repeats)
     elif key in reference:
         row["err_out"] = _rel(first[0], reference[key][0])
         row["err_state"] = _rel(first[1], reference[key][1])
-    _write(row)
-    return row
+    return _write(row)
 
 
 def main(argv):
@@ -210,7 +211,6 @@ def main(argv):
     repeats = 1 if FLAGS.small else FLAGS.repeats
     interpret = jax.default_backend() == "cpu"
     device = jax.devices()[0]
-    base = {"device": device.device_kind, "jax": jax.__version__}
     N, H, P, C = cfg.mamba_heads, cfg.mamba_head_dim, cfg.ssm_state, cfg.conv_dim
     km1 = cfg.conv_kernel - 1
     in_dim = cfg.in_proj_dim
@@ -227,7 +227,7 @@ def main(argv):
                 continue
             run = jnp.arange(Bsz) < n_run
             for impl in ("xla", "fused"):
-                row = dict(base, kind="step", B=Bsz, running=n_run, impl=impl, layers=L)
+                row = dict(kind="step", B=Bsz, running=n_run, impl=impl, layers=L)
                 rows.append(_run(
                     row, lambda impl=impl: step_fn(impl, cfg, L, interpret),
                     lambda b=Bsz: _state(cfg, b, L, seed=b), (zxbcdt, p_step, run),
@@ -238,7 +238,7 @@ def main(argv):
         run = jnp.ones((Bsz,), bool)
         for variant in FLAGS.variants:
             ssm_kernel, projection = variant.split(":")
-            row = dict(base, kind="layer", B=Bsz, running=Bsz, impl=variant, layers=L_layer)
+            row = dict(kind="layer", B=Bsz, running=Bsz, impl=variant, layers=L_layer)
             rows.append(_run(
                 row, lambda s=ssm_kernel, p=projection: layer_fn(s, p, cfg, L_layer),
                 lambda b=Bsz: _state(cfg, b, L_layer, seed=b), (h, p_layer, run),

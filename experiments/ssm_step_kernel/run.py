@@ -4,7 +4,8 @@ At the 11B Mamba layer shape (N 128 heads, H 80, P 128, K 8 groups; 27 layers st
 ``NanoState.ssm``), for each slot count B: one jitted call updating one layer, and one jitted call
 updating all layers in turn (the model's pattern), the stacked fp32 state donated and threaded
 through the calls. Prints ms per call, the achieved GB/s (state bytes read + written, fp32) and the
-XLA / Pallas time ratio; then a sweep of the kernel's ``block_heads`` on the one-layer call.
+XLA / Pallas time ratio; then a sweep of the kernel's ``block_heads`` on the one-layer call. Rows go
+to ``--out`` (rewritten) as they are measured, each with its provenance (``experiments.harness``).
 ``--small`` runs tiny shapes in the Pallas interpreter on the CPU (a check that the script works,
 not a measurement). See README.md.
 """
@@ -12,13 +13,14 @@ not a measurement). See README.md.
 from __future__ import annotations
 
 import functools
-import json
+import pathlib
 import time
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+from experiments import harness
 from pallas_kernels.ssm_step import ssm_step, ssm_step_reference
 
 FLAGS = flags.FLAGS
@@ -28,7 +30,7 @@ flags.DEFINE_integer("reps", 50, "Timed calls per row (after one warm-up call)."
 flags.DEFINE_list("sweep_block_heads", ["1", "2", "4", "8", "16"], "block_heads of the sweep.")
 flags.DEFINE_integer("num_warps", 4, "Triton warps per program.")
 flags.DEFINE_bool("small", False, "Tiny shapes in interpret mode on the CPU (checks the script).")
-flags.DEFINE_string("out", None, "Optional JSON-lines file for the rows.")
+flags.DEFINE_string("out", None, "Optional JSON-lines file for the rows (rewritten).")
 
 # (N heads, H head dim, P state, K groups)
 SHAPE_11B = (128, 80, 128, 8)
@@ -113,6 +115,9 @@ def main(argv):
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}, interpret={interpret}, "
         f"mean of {reps} calls"
     )
+    if FLAGS.out:
+        pathlib.Path(FLAGS.out).unlink(missing_ok=True)
+    log = harness.RowLog(FLAGS.out)
     rows, sweep = [], []
     for Bsz in batches:
         key = jax.random.key(Bsz)
@@ -135,6 +140,8 @@ def main(argv):
         (y_x, s_x), (y_p, s_p) = results["xla"], results["pallas"]
         rows[-1]["err_y"] = _rel(y_p, y_x)
         rows[-1]["err_state"] = _rel(s_p, s_x)
+        for r in rows[-2:]:
+            log.write(r)
         del results
         for bh in (int(b) for b in FLAGS.sweep_block_heads):
             if (N // K) % bh:
@@ -146,6 +153,7 @@ def main(argv):
             sweep.append(
                 {"B": Bsz, "block_heads": bh, "ms": sec * 1e3, "GBps": layer_bytes(Bsz) / sec / 1e9}
             )
+            log.write({"sweep": True, **sweep[-1]})
 
     print(
         f"{'B':>3} {'impl':>6} {'1-layer ms':>10} {'GB/s':>7} {f'{L}-layer ms':>10} {'GB/s':>7} "
@@ -169,12 +177,6 @@ def main(argv):
     print(f"{'B':>3} {'block_heads':>11} {'ms':>8} {'GB/s':>7}")
     for s in sweep:
         print(f"{s['B']:>3} {s['block_heads']:>11} {s['ms']:>8.3f} {s['GBps']:>7.0f}")
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-            for s in sweep:
-                f.write(json.dumps({"sweep": True, **s}) + "\n")
 
 
 if __name__ == "__main__":

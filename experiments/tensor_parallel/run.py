@@ -15,11 +15,12 @@ parallelism over all of them, ``mesh.make_mesh(n)``; m > 1 the ``(n / m, m)`` me
 Plus the compiled tick's collectives and whether the layout's text tokens equal the first
 layout's (same sessions, same keys and audio). Random weights. On the CPU ``--cpu_devices``
 fakes the devices; they share the host's cores, so CPU rows measure overheads, never a speed-up.
+Rows are appended to ``--out`` as they are measured, each with its provenance
+(``experiments.harness``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -27,6 +28,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
 from voicechat_jax import config as config_lib
 from voicechat_jax import engine as engine_lib
 from voicechat_jax import mesh as mesh_lib
@@ -164,7 +166,7 @@ def main(argv):
     template = engine_lib.build_template(params, cfg, base_serve)  # the one-device layout
     jax.block_until_ready(template)
     logging.info("random %s params and template in %.1f s", FLAGS.model, time.perf_counter() - t)
-    rows, reference = [], {}
+    log, reference = harness.RowLog(FLAGS.out), {}
     for m in (int(x) for x in FLAGS.layouts):
         mesh = mesh_lib.make_mesh(n) if m == 1 else mesh_lib.make_mesh(n, model_parallel=m)
         groups = n // m
@@ -181,9 +183,7 @@ def main(argv):
             row = {
                 "preset": FLAGS.model,
                 "label": FLAGS.label,
-                "device": jax.devices()[0].device_kind,
                 "platform": jax.devices()[0].platform,
-                "jax": jax.__version__,
                 "precision": FLAGS.precision,
                 "context_frames": FLAGS.context_frames,
                 "devices": n,
@@ -202,15 +202,9 @@ def main(argv):
             row |= timing | {"same_tokens": bool(np.array_equal(ref, text))}
             if FLAGS.realtime_ticks:
                 row |= realtime(engine, sessions)
-            rows.append(row)
-            logging.info("%s", row)
+            logging.info("%s", log.write(row))
             del engine, compiled
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-    print_table(rows)
+    print_table(log.rows)
 
 
 if __name__ == "__main__":

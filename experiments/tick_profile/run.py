@@ -412,7 +412,8 @@ def main(argv):
         with open(out_dir / "rows.jsonl") as f:
             measures = [r for r in map(json.loads, f) if r["kind"] == "measure"]
         for m in measures:  # the run's provenance; this reduction's commit beside it
-            keep = ("commit", "command", "device", "jax", "context_frames", "policy", "env")
+            keep = ("commit", "command", "device", "jax", "measured_at")  # the row format's five
+            keep += ("context_frames", "policy", "env")  # and the run's configuration
             rows.provenance = {k: m.get(k) for k in keep} | {
                 "reduced_at": provenance["commit"],
                 "reduce_command": provenance["command"],
