@@ -147,9 +147,11 @@ def profile(engine, *, repeats: int = 10, seed: int = 0) -> list[Row]:
     run = jnp.ones((B,), bool)
     L_m, L_f, L_a = (len(lc.layers_of(c)) for c in "M-*")
 
+    ssm_kernel = serve.kernels(slots=B).ssm_kernel  # 'auto' made as the engine makes it
+
     def mamba_fn(p, x, carry):
         conv, ssm = carry
-        conv, ssm, out = nano._mamba_step(p, 0, x, conv, ssm, run, lc, serve.ssm_kernel)
+        conv, ssm, out = nano._mamba_step(p, 0, x, conv, ssm, run, lc, ssm_kernel)
         return (conv, ssm), out
 
     f = jax.jit(mamba_fn, donate_argnums=(2,))

@@ -17,6 +17,7 @@ provenance (``experiments.harness``, from this script's checkout: the "before" r
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
 import json
@@ -73,6 +74,10 @@ def _speech(n: int, seed: int) -> np.ndarray:
 
 def _legacy() -> bool:
     """True for a ``Server`` from before the host timeline (no GC policy, no attribution)."""
+    from voicechat_jax.serving import server as server_lib
+
+    if hasattr(server_lib, "ServerConfig"):  # options moved to ServerConfig on 2026-12-05
+        return "gc_policy" not in {f.name for f in dataclasses.fields(server_lib.ServerConfig)}
     return "gc_policy" not in inspect.signature(Server.__init__).parameters
 
 
