@@ -7,6 +7,11 @@ Rows that no device measured (a simulation fitted to measured rows) say so: ``de
 ``SIMULATION``.
 ``experiments.rows`` reads the committed rows, holds older ones to the same keys and prints the
 READMEs' tables from them.
+
+The setup every engine experiment shares is here too: the test signal (``speech``), random
+weights (``random_params``), back-to-back tick timing (``tick_ms``), a call's median time
+(``time_call``) and the device's memory (``device_memory``). JAX is imported where used, so the
+rows tools load without it.
 """
 
 from __future__ import annotations
@@ -97,3 +102,94 @@ class RowLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row, default=_plain) + "\n")
         return row
+
+
+# ---- the setup every engine experiment shares ------------------------------------------------
+
+
+def speech(n: int, seed: int):
+    """``n`` samples of a speech-like test signal (a modulated tone plus noise), 16 kHz, float32;
+    each ``seed`` its own pitch and noise."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(n) / 16000
+    x = np.sin(2 * np.pi * (180 + 40 * seed) * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 1.7 * t))
+    return (0.3 * x + 0.03 * rng.standard_normal(n)).astype(np.float32)
+
+
+def random_params(cfg, precision, name: str = "model"):
+    """Random weights of ``cfg`` in ``precision``, initialised by one jitted program (op by op the
+    11B init took ~45 s on an H200), on the device."""
+    import time
+
+    import jax
+    from absl import logging
+
+    from voicechat_jax.model import voicechat
+
+    t = time.perf_counter()
+    params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
+    jax.block_until_ready(params)
+    logging.info("random %s params in %.1f s", name, time.perf_counter() - t)
+    return params
+
+
+def tick_ms(engine, ticks: int, *, live: int | None = None, warmup: int = 2):
+    """Wall ms of ``ticks`` dispatch ticks run back to back, each blocked on (device time plus
+    launch; no host work of a server).
+
+    The first ``live`` slots (default all) are admitted on an untimed first tick and run every
+    tick; the others are free (a fixed-shape tick costs the same either way); with slot buckets
+    the state is first placed in the smallest bucket that holds them. ``warmup`` more ticks run
+    untimed.
+    """
+    import time
+
+    import jax
+    import numpy as np
+
+    from voicechat_jax.serving.scheduler import BeatPlan
+
+    engine.reset()
+    n = engine.serve.slots if live is None else live
+    if len(engine.buckets) > 1:
+        bucket = next(b for b in engine.buckets if b >= n)
+        engine.place(BeatPlan(run=np.ones(engine.serve.slots, bool), bucket=bucket))
+    beat = engine.empty_beat()
+    beat.admit[:n] = True
+    jax.block_until_ready(engine.tick(beat))
+    beat = engine.empty_beat()
+    times = []
+    for _ in range(warmup + ticks):
+        t = time.perf_counter()
+        jax.block_until_ready(engine.tick(beat))
+        times.append((time.perf_counter() - t) * 1e3)
+    return np.asarray(times[warmup:])
+
+
+def time_call(fn, calls: int = 10, warmup: int = 2) -> float:
+    """Median wall ms of ``fn()``, its result blocked on."""
+    import time
+
+    import jax
+    import numpy as np
+
+    times = []
+    for _ in range(warmup + calls):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(times[warmup:]))
+
+
+def device_memory() -> dict:
+    """GiB in use, at peak and the limit on the first device, where it reports them (GPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        k: round(stats[k] / 2**30, 2)
+        for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+        if k in stats
+    }

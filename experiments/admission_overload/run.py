@@ -28,6 +28,8 @@ import pathlib
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
+
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 from experiments.admission_overload import burst_replay as br  # noqa: E402
@@ -73,7 +75,7 @@ fits.define_fit_flags("admission_overload")
 def burst_plans(spb: int) -> list[SessionPlan]:
     """The burst's scripted calls (``br.burst_schedule``), ``spb`` audio samples a beat, by join."""
     schedule = br.burst_schedule(FLAGS.burst, FLAGS.burst_beats, FLAGS.mean_call_beats)
-    plans = [SessionPlan(id=f"b{i:03d}", audio=er.speech((leave - join) * spb, i), join=join,
+    plans = [SessionPlan(id=f"b{i:03d}", audio=harness.speech((leave - join) * spb, i), join=join,
                          leave=leave) for i, (join, leave) in enumerate(schedule)]  # fmt: skip
     return sorted(plans, key=lambda p: p.join)
 

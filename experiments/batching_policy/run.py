@@ -26,6 +26,8 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
+
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 from experiments.policy_sim import engine_runs as er  # noqa: E402
@@ -67,7 +69,7 @@ def per_session_run(engine: Engine, n: int, n_ticks: int, warmup: int) -> dict:
     ]
     period = engine.serve.beat_ms / 1e3
     clock = BeatClock(period, "realtime")
-    audio = [er.speech(n_ticks * engine.samples_per_beat, i) for i in range(n)]
+    audio = [harness.speech(n_ticks * engine.samples_per_beat, i) for i in range(n)]
     spb = engine.samples_per_beat
     beat_lat, sess_lat, missed, skipped = [], [], 0, 0
     clock.begin()
@@ -114,7 +116,7 @@ def late_plans(n: int, n_ticks: int, spb: int, fraction: float) -> list[SessionP
     return [
         SessionPlan(
             id=f"s{i:03d}",
-            audio=er.speech(n_ticks * spb, i),
+            audio=harness.speech(n_ticks * spb, i),
             late=frozenset(int(b) for b in np.flatnonzero(rng.random(n_ticks) < fraction)),
         )
         for i in range(n)
@@ -131,7 +133,7 @@ def engine_part(rows: list[dict]) -> None:
         serve = er.serve_config(slots=n, context_frames=FLAGS.context_frames)
         engine = Engine(params, cfg, serve, template=template)
         template = engine.template
-        t = er.tick_ms(engine, FLAGS.timed_ticks)
+        t = harness.tick_ms(engine, FLAGS.timed_ticks)
         plans = er.plans_all_joined(n, FLAGS.ticks, engine.samples_per_beat)
         row, _ = er.serve(engine, plans, FLAGS.ticks, warmup_ticks=FLAGS.warmup_ticks)
         tick = float(np.median(t))
@@ -144,7 +146,7 @@ def engine_part(rows: list[dict]) -> None:
         serve = er.serve_config(slots=1, context_frames=FLAGS.context_frames)
         one_slot = Engine(params, cfg, serve, template=template)
     one_slot.compile_tick()
-    t1 = float(np.median(er.tick_ms(one_slot, FLAGS.timed_ticks)))
+    t1 = float(np.median(harness.tick_ms(one_slot, FLAGS.timed_ticks)))
     for n in (int(x) for x in FLAGS.per_session):
         r = per_session_run(one_slot, n, FLAGS.ticks, FLAGS.warmup_ticks)
         rows.append({**base, **r, "tick1_ms": t1,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
-import time
 
 import jax
 import numpy as np
@@ -19,7 +18,6 @@ from absl import app, flags, logging
 from experiments import harness
 from voicechat_jax import config as config_lib
 from voicechat_jax.engine import Engine
-from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving.server import Server, SessionPlan
 
@@ -67,23 +65,6 @@ flags.DEFINE_bool(
 )
 
 
-def _speech(n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    t = np.arange(n) / 16000
-    x = np.sin(2 * np.pi * (180 + 40 * seed) * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 1.7 * t))
-    return (0.3 * x + 0.03 * rng.standard_normal(n)).astype(np.float32)
-
-
-def device_memory() -> dict:
-    """GiB in use and peak on the first device, where it reports them (GPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    return {
-        k: round(stats[k] / 2**30, 2)
-        for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
-        if k in stats
-    }
-
-
 def serve_config(precision, sessions: int, **serve_kw) -> config_lib.ServeConfig:
     """The flags' server configuration for ``sessions`` slots."""
     return config_lib.ServeConfig(
@@ -123,7 +104,7 @@ def churn_plans(
             length = int(rng.integers(1, max(2, cap_beats)))
             leave = join + length
             end = min(leave, ticks)
-            audio = _speech((end - join) * samples_per_beat, lane * 1000 + n)
+            audio = harness.speech((end - join) * samples_per_beat, lane * 1000 + n)
             last = None if leave >= ticks else leave
             plans.append(SessionPlan(id=f"s{lane}_{n}", audio=audio, join=join, leave=last))
             fill[join:end, lane] = 2 * np.arange(1, end - join + 1)
@@ -155,7 +136,7 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
             "mean_fill_of_cap": float(steady.mean() / engine.serve.context_frames),
         }
     else:
-        plans = [SessionPlan(id=f"s{i}", audio=_speech(samples, i)) for i in range(sessions)]
+        plans = [SessionPlan(id=f"s{i}", audio=harness.speech(samples, i)) for i in range(sessions)]
     # Outputs streamed to files as ``voicechat-serve`` does, not kept in memory.
     with tempfile.TemporaryDirectory(prefix="beat_latency_") as out_dir:
         server = Server(
@@ -182,29 +163,11 @@ def measure(engine: Engine, loop: str, *, ticks: int | None = None) -> dict:
         "hold_full": FLAGS.hold_full,
         "warmup_max_ms": s["warmup"]["latency_ms"]["max"],
         "state_gib": round(engine.memory.state_bytes / 2**30, 2),
-        "memory_gib": device_memory(),
+        "memory_gib": harness.device_memory(),
     }
     if churn:
         row |= churn | {"events": s["events"], "ended": s.get("ended", {})}
     return row
-
-
-def tick_times(engine: Engine, ticks: int, *, warmup: int = 0) -> np.ndarray:
-    """Wall ms of ``ticks`` dispatch ticks with every slot live, each blocked on (no host work).
-
-    Every slot is admitted on a first, untimed tick; ``warmup`` more ticks run untimed.
-    """
-    engine.reset()
-    beat = engine.empty_beat()
-    beat.admit[:] = True
-    jax.block_until_ready(engine.tick(beat))
-    beat = engine.empty_beat()
-    times = []
-    for _ in range(warmup + ticks):
-        t = time.perf_counter()
-        jax.block_until_ready(engine.tick(beat))
-        times.append((time.perf_counter() - t) * 1e3)
-    return np.asarray(times[warmup:])
 
 
 @functools.cache
@@ -218,15 +181,6 @@ def write_row(row: dict) -> dict:
     row = _rows().write(row)
     logging.info("%s", row)
     return row
-
-
-def init_params(cfg, precision):
-    """Random weights, jitted (op by op the 11B init took ~45 s on an H200)."""
-    t = time.perf_counter()
-    params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
-    jax.block_until_ready(params)
-    logging.info("random %s params in %.1f s", FLAGS.model, time.perf_counter() - t)
-    return params
 
 
 def print_table(rows: list[dict]) -> None:
@@ -252,7 +206,7 @@ def main(argv):
     del argv
     cfg = config_lib.PRESETS[FLAGS.model]()
     precision = Precision.reference()
-    params = init_params(cfg, precision)
+    params = harness.random_params(cfg, precision, FLAGS.model)
     template = None  # built by the first engine, shared by the others (same cap and prompt)
     rows = []
     for n in (int(x) for x in FLAGS.sessions):

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from experiments import harness
 from experiments.beat_latency import run as beat_latency
 from experiments.beat_profile import components
 from voicechat_jax import config as config_lib
@@ -33,7 +34,7 @@ def main(argv):
     del argv
     cfg = config_lib.PRESETS[FLAGS.model]()
     precision = Precision.reference()
-    params = beat_latency.init_params(cfg, precision)
+    params = harness.random_params(cfg, precision, FLAGS.model)
     copy = components.device_copy_tbps(gib=4.0 if jax.default_backend() == "gpu" else 0.25)
     beat_latency.write_row({"kind": "copy", "tbps": copy})
     template = None
@@ -52,7 +53,7 @@ def main(argv):
                 row = beat_latency.measure(engine, loop) | {"kind": "serve"}
                 served.append(beat_latency.write_row(row))
         engine.compile_tick()
-        ticks = beat_latency.tick_times(engine, FLAGS.tick_repeats, warmup=2).tolist()
+        ticks = harness.tick_ms(engine, FLAGS.tick_repeats, warmup=2).tolist()
         tick_ms = float(np.median(ticks)) / engine.serve.frames_per_tick
         beat_latency.write_row(
             {"kind": "tick", "slots": B, "ms_per_frame_step": tick_ms, "ms": ticks}

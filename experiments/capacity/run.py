@@ -22,6 +22,7 @@ import os
 import numpy as np
 from absl import app, flags
 
+from experiments import harness
 from experiments.beat_latency import run as beat_latency
 from voicechat_jax import config as config_lib
 from voicechat_jax.engine import byte_floor_ms
@@ -45,7 +46,7 @@ def baseline(params, cfg, precision, template, ticks: int) -> dict:
     """A request server's way: one session per call. The 1-slot tick's time decides the count."""
     engine = beat_latency.make_engine(params, cfg, precision, 1, template)
     engine.compile_tick()
-    times = beat_latency.tick_times(engine, ticks)
+    times = harness.tick_ms(engine, ticks, warmup=0)
     period = engine.serve.beat_ms
     p99 = float(np.percentile(times, 99))
     return {
@@ -70,7 +71,7 @@ def main(argv):
             "codec_matmul": precision.codec_matmul,
             "hold_full": FLAGS.hold_full,
         }
-        params = beat_latency.init_params(cfg, precision)
+        params = harness.random_params(cfg, precision, FLAGS.model)
         template = None
         if FLAGS.baseline_ticks:
             template = beat_latency.make_engine(params, cfg, precision, 1).template
@@ -87,7 +88,7 @@ def main(argv):
                 continue
             template = engine.template
             engine.compile_tick()
-            times = beat_latency.tick_times(engine, FLAGS.probe_ticks)
+            times = harness.tick_ms(engine, FLAGS.probe_ticks, warmup=0)
             beat_ms = float(np.median(times))
             # Two frame-steps at 3.7 TB/s; a slot's bytes from its state under this policy.
             floor_ms = byte_floor_ms(params, engine.template, n)

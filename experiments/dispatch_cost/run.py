@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from experiments import harness
 from experiments.beat_latency import run as beat_latency
 from voicechat_jax import config as config_lib
 from voicechat_jax import state as state_lib
@@ -120,7 +121,7 @@ def main(argv):
         rows.append(beat_latency.write_row(row))
     cfg = config_lib.PRESETS[FLAGS.model]()
     precision = policy(FLAGS.policy)
-    params = beat_latency.init_params(cfg, precision)
+    params = harness.random_params(cfg, precision, FLAGS.model)
     engine = beat_latency.make_engine(params, cfg, precision, FLAGS.slots)
     program = engine.stages.tick if engine.staged else engine.compile_tick()
     leaves = {

@@ -25,6 +25,8 @@ import pathlib
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
+
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 from experiments.policy_sim import engine_runs as er  # noqa: E402
@@ -74,7 +76,7 @@ def engine_part(rows: list[dict]) -> None:
                                            context_frames=FLAGS.context_frames)  # fmt: skip
             engine = Engine(params, cfg, serve, template=template)
             template = engine.template
-            t = er.tick_ms(engine, FLAGS.timed_ticks)
+            t = harness.tick_ms(engine, FLAGS.timed_ticks)
             rows.append({**base, "kind": "tick", "frames_per_tick": f, "slots": n,
                          "tick_ms": float(np.median(t)), "ms": t.tolist(),
                          "compile_s": engine.compile_s})  # fmt: skip

@@ -42,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
+
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 from experiments.policy_sim import engine_runs as er  # noqa: E402
@@ -141,7 +143,7 @@ def engine_part(rows: list[dict]) -> None:
             box[0], out = fns[name](params, box[0], *args)
             return out
 
-        return er.time_call(call, calls=FLAGS.calls)
+        return harness.time_call(call, calls=FLAGS.calls)
 
     for B in (int(x) for x in FLAGS.slots):
         full = template.replace(tts=_slots(template.tts, B), codec=_slots(template.codec, B))

@@ -63,17 +63,12 @@ flags.DEFINE_enum("precision", "reference", ["reference", "fp32"], "Precision po
 flags.DEFINE_string("out", None, "JSON-lines file the rows are appended to.")
 
 
-def _speech(n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    t = np.arange(n) / 16000
-    x = np.sin(2 * np.pi * (180 + 40 * seed) * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 1.7 * t))
-    return (0.3 * x + 0.03 * rng.standard_normal(n)).astype(np.float32)
-
-
 def scripted_beats(engine: Engine, n: int) -> list[state_lib.BeatInput]:
     """Every slot joins at beat 0 (its own key), speech-like audio on every beat."""
     slots, samples = engine.serve.slots, engine.samples_per_beat
-    audio = np.stack([_speech(n * samples, b) for b in range(slots)]).reshape(slots, n, samples)
+    audio = np.stack([harness.speech(n * samples, b) for b in range(slots)]).reshape(
+        slots, n, samples
+    )
     beats = []
     for k in range(n):
         b = engine.empty_beat()
@@ -257,7 +252,7 @@ def capacity_row(engine: Engine) -> dict:
     engine.reset()
     ticks, slots = FLAGS.capacity_ticks, engine.serve.slots
     samples = ticks * engine.samples_per_beat
-    plans = [SessionPlan(id=f"s{i}", audio=_speech(samples, i)) for i in range(slots)]
+    plans = [SessionPlan(id=f"s{i}", audio=harness.speech(samples, i)) for i in range(slots)]
     server = Server(engine, clock=FLAGS.clock, loop="dispatch", warmup_ticks=FLAGS.warmup)
     server.run(plans, ticks)
     s = server.metrics.summary()

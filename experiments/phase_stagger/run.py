@@ -27,6 +27,8 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
+
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 from experiments.policy_sim import engine_runs as er  # noqa: E402
@@ -64,7 +66,7 @@ def staggered_run(engine: Engine, groups: int, n_ticks: int, warmup: int) -> dic
     S = engine.serve.slots
     P = engine.serve.beat_ms / 1e3
     spb = engine.samples_per_beat
-    audio = [[er.speech(n_ticks * spb, g * S + i) for i in range(S)] for g in range(groups)]
+    audio = [[harness.speech(n_ticks * spb, g * S + i) for i in range(S)] for g in range(groups)]
     clock = BeatClock(P / groups, "realtime", deadline_s=P / groups)
     done: queue.SimpleQueue = queue.SimpleQueue()
     lat = np.full((groups, n_ticks), np.nan)
@@ -121,7 +123,7 @@ def engine_part(rows: list[dict]) -> None:
             serve = er.serve_config(slots=n // groups, context_frames=FLAGS.context_frames)
             engine = Engine(params, cfg, serve, template=template)
             template = engine.template
-            t = float(np.median(er.tick_ms(engine, FLAGS.timed_ticks)))
+            t = float(np.median(harness.tick_ms(engine, FLAGS.timed_ticks)))
             r = staggered_run(engine, groups, FLAGS.ticks, FLAGS.warmup_ticks)
             rows.append({**base, **r, "tick_ms": t})
             if groups == 1:  # the same through the server, for reference

@@ -4,9 +4,9 @@ Each experiment's ``run.py`` (absl) calls ``define_engine_flags`` (precision pol
 as ``voicechat-serve`` names them), builds the model once with ``build`` and its serve
 configurations with ``serve_config``, then measures with:
 
-- ``tick_ms``: device time of back-to-back ticks (each blocked on) with some slots live;
 - ``serve``: a serving run of scripted sessions on the beat clock under a scheduler, one row;
-- ``time_call``: the median wall time of any jitted call, blocked on.
+- ``experiments.harness``'s ``tick_ms`` (back-to-back ticks, some slots live), ``time_call`` and
+  ``speech`` (the test signal).
 
 Engine rows carry the model and the engine flags (``engine_setup``) and, written by ``RowLog``,
 the provenance every row carries (``experiments.harness``: commit, device, jax version, command,
@@ -19,19 +19,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import time
 from collections.abc import Callable, Sequence
 
-import jax
-import numpy as np
 from absl import flags, logging
 
 from experiments import harness
 from voicechat_jax import config as config_lib
 from voicechat_jax import precision as precision_lib
 from voicechat_jax.engine import Engine
-from voicechat_jax.model import voicechat
-from voicechat_jax.serving.scheduler import BeatPlan
 from voicechat_jax.serving.server import Server, SessionPlan
 
 _REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -74,53 +69,7 @@ def engine_flags() -> dict:
 def build(model: str):
     """(cfg, params) of a preset with random weights in the flags' precision policy (jitted)."""
     cfg = config_lib.PRESETS[model]()
-    prec = precision_lib.policy(flags.FLAGS.precision)
-    t = time.perf_counter()
-    params = voicechat.init_compiled(jax.random.key(0), cfg, prec)
-    jax.block_until_ready(params)
-    logging.info("random %s params in %.1f s", model, time.perf_counter() - t)
-    return cfg, params
-
-
-def speech(n: int, seed: int) -> np.ndarray:
-    """``n`` samples of a speech-like test signal (a modulated tone plus noise), 16 kHz."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(n) / 16000
-    x = np.sin(2 * np.pi * (180 + 40 * seed) * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 1.7 * t))
-    return (0.3 * x + 0.03 * rng.standard_normal(n)).astype(np.float32)
-
-
-def tick_ms(engine: Engine, ticks: int, *, live: int | None = None, warmup: int = 2) -> np.ndarray:
-    """Wall ms of ``ticks`` ticks run back to back, each blocked on (device time plus launch).
-
-    The first ``live`` slots (default all) are admitted on an untimed first tick and run every
-    tick; the others are free (a fixed-shape tick costs the same either way).
-    """
-    engine.reset()
-    n = engine.serve.slots if live is None else live
-    if len(engine.buckets) > 1:  # slot buckets: the smallest bucket that holds them
-        bucket = next(b for b in engine.buckets if b >= n)
-        engine.place(BeatPlan(run=np.ones(engine.serve.slots, bool), bucket=bucket))
-    beat = engine.empty_beat()
-    beat.admit[:n] = True
-    jax.block_until_ready(engine.tick(beat))
-    beat = engine.empty_beat()
-    times = []
-    for _ in range(warmup + ticks):
-        t = time.perf_counter()
-        jax.block_until_ready(engine.tick(beat))
-        times.append((time.perf_counter() - t) * 1e3)
-    return np.asarray(times[warmup:])
-
-
-def time_call(fn: Callable[[], object], calls: int = 10, warmup: int = 2) -> float:
-    """Median wall ms of ``fn()`` (its result blocked on)."""
-    times = []
-    for _ in range(warmup + calls):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t) * 1e3)
-    return float(np.median(times[warmup:]))
+    return cfg, harness.random_params(cfg, precision_lib.policy(flags.FLAGS.precision), model)
 
 
 def serve(
@@ -169,7 +118,8 @@ def serve(
 def plans_all_joined(n: int, n_ticks: int, samples_per_beat: int) -> list[SessionPlan]:
     """``n`` sessions live from tick 0 to the end, each with its own audio."""
     return [
-        SessionPlan(id=f"s{i:03d}", audio=speech(n_ticks * samples_per_beat, i)) for i in range(n)
+        SessionPlan(id=f"s{i:03d}", audio=harness.speech(n_ticks * samples_per_beat, i))
+        for i in range(n)
     ]
 
 

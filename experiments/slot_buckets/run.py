@@ -27,6 +27,8 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import harness
+
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
 from experiments.policy_sim import engine_runs as er  # noqa: E402
@@ -72,7 +74,7 @@ def churn_plans(slots: int, n_ticks: int, spb: int) -> list[SessionPlan]:
             break
         join = int(k)
         leave = join + 1 + int(rng.exponential(FLAGS.mean_call_beats))
-        plans.append(SessionPlan(id=f"c{i:04d}", audio=er.speech((leave - join) * spb, i),
+        plans.append(SessionPlan(id=f"c{i:04d}", audio=harness.speech((leave - join) * spb, i),
                                  join=join, leave=leave if leave < n_ticks else None))  # fmt: skip
         i += 1
     return plans
@@ -89,7 +91,7 @@ def engine_part(rows: list[dict]) -> None:
     rows.append({**base, "kind": "compile", "engine": "fixed", "programs": 1,
                  "compile_s": fixed.compile_s, "template_s": fixed.template_s})  # fmt: skip
     for live in sorted({1, *buckets}):
-        t = er.tick_ms(fixed, FLAGS.timed_ticks, live=live)
+        t = harness.tick_ms(fixed, FLAGS.timed_ticks, live=live)
         rows.append({**base, "kind": "tick", "engine": "fixed", "slots": top, "live": live,
                      "tick_ms": float(np.median(t)), "ms": t.tolist()})  # fmt: skip
     plans = churn_plans(top, FLAGS.ticks, fixed.samples_per_beat)
@@ -104,7 +106,7 @@ def engine_part(rows: list[dict]) -> None:
     rows.append({**base, "kind": "compile", "engine": "buckets", "programs": engine.compiles,
                  "compile_s": engine.compile_s, "buckets": buckets})  # fmt: skip
     for b in buckets:
-        t = er.tick_ms(engine, FLAGS.timed_ticks, live=b)
+        t = harness.tick_ms(engine, FLAGS.timed_ticks, live=b)
         rows.append({**base, "kind": "tick", "engine": "buckets", "slots": b, "live": b,
                      "tick_ms": float(np.median(t)), "ms": t.tolist()})  # fmt: skip
     run = np.ones(top, bool)

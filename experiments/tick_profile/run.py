@@ -99,16 +99,6 @@ class Rows:
 # ------------------------------------------------------------------------------ device side
 
 
-def speech(n: int, seed: int):
-    """``n`` samples of a speech-like test signal (a modulated tone plus noise), 16 kHz."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    t = np.arange(n) / 16000
-    x = np.sin(2 * np.pi * (180 + 40 * seed) * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 1.7 * t))
-    return (0.3 * x + 0.03 * rng.standard_normal(n)).astype(np.float32)
-
-
 def profile_slots(n: int, params, cfg, template, out_dir: pathlib.Path, rows: Rows):
     """Builds, compiles, warms, times and traces the engine at ``n`` slots; returns the template
     and the measure row (the trace and HLO written beside the rows)."""
@@ -152,7 +142,7 @@ def profile_slots(n: int, params, cfg, template, out_dir: pathlib.Path, rows: Ro
     first.admit[:] = True  # every slot already holds the template: admission is the flag
     first.key[:] = np.arange(first.key.size, dtype=np.uint32).reshape(first.key.shape)
     beat = state_lib.empty_beat(n, samples, serve.capsule_tokens)
-    beat.audio[:] = np.stack([speech(samples, i) for i in range(n)])
+    beat.audio[:] = np.stack([harness.speech(samples, i) for i in range(n)])
     t = time.perf_counter()
     # Every slot live with room in every beat (the caches are held full): the beats' masks.
     masks = state_lib.masks_of(beat)
