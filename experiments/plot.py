@@ -2,7 +2,8 @@
 
 Every figure of the experiments is a few of these calls on rows read with ``experiments.rows``:
 ``lines`` draws one line per group of rows (a key's value against another's), ``bars`` draws
-bars per category, stacked or side by side, and ``rule`` a horizontal reference (the 160 ms beat).
+bars per category, stacked or side by side, ``rule`` a horizontal reference (the 160 ms beat) and
+``labels`` writes a text from each row at its point.
 A column is named as in ``rows.table`` (a dotted path into a nested dict, or a key scaled by a
 constant: ``measured_ms*2``). matplotlib is imported only when a figure is drawn, so importing
 this module (and the experiments that plot) costs nothing on a machine without it::
@@ -33,9 +34,12 @@ def pyplot() -> Any:
     return plt
 
 
-def figure(nrows: int = 1, ncols: int = 1, size: tuple[float, float] = (10, 6)) -> tuple:
-    """A new figure and its axes (an array of them for more than one panel)."""
-    return pyplot().subplots(nrows, ncols, figsize=size)
+def figure(
+    nrows: int = 1, ncols: int = 1, size: tuple[float, float] = (10, 6), **options: Any
+) -> tuple:
+    """A new figure and its axes (an array of them for more than one panel); ``options`` are
+    any other ``pyplot.subplots`` keyword (``sharey=True``, ``squeeze=False``)."""
+    return pyplot().subplots(nrows, ncols, figsize=size, **options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +139,16 @@ def rule(ax: Any, y: float, *, text: str | None = None, **style: Any) -> None:
     if text is not None:
         color = style.get("color", "black")
         ax.text(ax.get_xlim()[0], y + 1, text, color=color, fontsize=8)
+
+
+def labels(ax: Any, rows: Iterable[Mapping], x: str, y: str, text: str, **style: Any) -> None:
+    """At each row's point (``x``, ``y``: columns), ``text`` formatted with the row's keys
+    (``"f={frames_per_tick}"``), by ``Axes.annotate`` with ``style`` (``fontsize``, ``xytext``
+    with ``textcoords``); rows without either column are left out."""
+    for r in rows:
+        point = (_value(r, x), _value(r, y))
+        if None not in point:
+            ax.annotate(text.format_map(r), point, **style)
 
 
 def save(fig: Any, path: str, dpi: int = 110) -> None:

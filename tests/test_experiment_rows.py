@@ -1,9 +1,11 @@
 """experiments/rows.py: every committed row file in the one row format, and the README tables it
-prints. Fast (no JAX): rows are read, normalised and tabled in this process."""
+prints; every figure drawn through experiments/plot.py. Fast (no JAX): rows are read, normalised
+and tabled in this process."""
 
 from __future__ import annotations
 
 import pathlib
+import re
 import shlex
 
 import pytest
@@ -170,3 +172,14 @@ def test_the_readmes_print_their_tables_from_rows():
             assert any(rows.column(r, key) is not None for r in chosen), (readme, key)
         printed = rows.table(found, args["columns"], where=args["where"], sort=args.get("sort", []))
         assert printed.count("\n") == len(chosen) + 1
+
+
+def test_matplotlib_is_imported_only_by_the_one_plotting_path():
+    """Every experiment figure goes through ``experiments/plot.py`` (experiments/README.md, "One
+    plotting path"): no other experiment file imports matplotlib."""
+    imports = re.compile(r"^\s*(import|from)\s+matplotlib\b", re.MULTILINE)
+    found = [
+        str(p.relative_to(REPO)) for p in sorted(EXPERIMENTS.rglob("*.py"))
+        if imports.search(p.read_text())
+    ]  # fmt: skip
+    assert found == ["experiments/plot.py"]

@@ -17,7 +17,9 @@ against queue: refused, waited, missed beats.
 The sim part also checks the simulator against the measured H200 burst rows (``--burst_rows``):
 the same burst replayed through the server's admission and ``sim.admit_calls``, then served by
 the dispatch loop on the current fit (``burst_replay.py``; kinds ``burst_admission`` and
-``burst_validation``). See README.md beside this file.
+``burst_validation``).
+``--parts=`` (neither part) draws only the figure, from the rows already written (``--sim_out``,
+``--out``), through ``experiments.plot``. See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from experiments import harness
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
+from experiments import plot as draw  # noqa: E402
 from experiments.admission_overload import burst_replay as br  # noqa: E402
 from experiments.policy_sim import engine_runs as er  # noqa: E402
 from experiments.policy_sim import fits, sim  # noqa: E402
@@ -254,27 +257,22 @@ def sim_part() -> list[dict]:
 
 
 def plot(sim_rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """One panel per traffic pattern: calls refused against admitted session-beats late, a line
+    per queue timeout, each point labelled with its admission threshold; a last panel for the
+    measured burst where the rows have it (``experiments.plot``)."""
     pol = [r for r in sim_rows if r["kind"] == "policy"]
     names = list(dict.fromkeys(r["pattern"] for r in pol))
     burst = [r for r in sim_rows if r["kind"] == "burst_admission"]
     n = len(names) + bool(burst)
-    fig, ax = plt.subplots(1, n, figsize=(4 * n, 4), squeeze=False, sharey=True)
+    fig, ax = draw.figure(1, n, size=(4 * n, 4), squeeze=False, sharey=True)
     # per cent late, on one symlog axis from 0 for every panel (most points are exactly 0)
     top = max([0.01, *(2 * 100 * r["late_frac"] for r in pol)])
     for a, name in zip(ax[0][: len(names)], names, strict=True):
-        for q in sorted({r["queue_s"] for r in pol}):
-            rs = sorted((r for r in pol if r["pattern"] == name and r["queue_s"] == q),
-                        key=lambda r: r["max_live"])  # fmt: skip
-            a.plot([r["refused_frac"] for r in rs], [100 * r["late_frac"] for r in rs], "o-",
-                   label=f"queue {q:g} s")  # fmt: skip
-            for r in rs:
-                a.annotate(str(r["max_live"]), (r["refused_frac"], 100 * r["late_frac"]),
-                           fontsize=7)  # fmt: skip
+        rs = sorted((r for r in pol if r["pattern"] == name),
+                    key=lambda r: (r["queue_s"], r["max_live"]))  # fmt: skip
+        draw.lines(a, rs, "refused_frac", [draw.Y("late_frac*100", label="queue {group:g} s")],
+                   group="queue_s", sort=False)  # fmt: skip
+        draw.labels(a, rs, "refused_frac", "late_frac*100", "{max_live}", fontsize=7)
         a.set(xlabel="calls refused (fraction)", title=name)
         a.set_yscale("symlog", linthresh=1e-3)
         a.set_ylim(0, top)
@@ -285,31 +283,31 @@ def plot(sim_rows: list[dict], path: str) -> None:
     label = fits.fit_label(sim_rows)
     what = "; last panel: the measured burst, simulated too" if burst else ""
     fig.suptitle(f"H200, simulated ({label}): labels are the admission threshold{what}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    draw.save(fig, path, dpi=110)
 
 
 def plot_burst(a, admission: list[dict], validation: list[dict]) -> None:
     """The measured burst rows on the policy panels' axes (labels: the queue in beats), and the
     simulator's (``sim.admit_calls`` refusals, late session-beats of each ``BURST_CASES``)."""
     r0 = admission[0]
-    for r in admission:
-        x = r["engine"]["refused"] / r["offered"]
-        a.plot([x], [100 * r["real_late_frac"]], "k*", ms=11,
-               label="measured (q: queue, beats)" if r is r0 else None)  # fmt: skip
-        a.annotate(f"q {r['queue_beats']}", (x, 100 * r["real_late_frac"]), fontsize=7,
-                   xytext=(4, 6), textcoords="offset points")  # fmt: skip
+    measured = [{**r, "x": r["engine"]["refused"] / r["offered"], "y": 100 * r["real_late_frac"]}
+                for r in admission]  # fmt: skip
+    draw.lines(a, measured, "x", [draw.Y("y", "k*", label="measured (q: queue, beats)",
+                                         style={"ms": 11})], sort=False)  # fmt: skip
+    draw.labels(a, measured, "x", "y", "q {queue_beats}", fontsize=7, xytext=(4, 6),
+                textcoords="offset points")  # fmt: skip
     for (case, _, _), m in zip(BURST_CASES, "sDv", strict=True):
-        rs = [(a_, v) for a_ in admission for v in validation
-              if v["case"] == case and v["queue_beats"] == a_["queue_beats"]]  # fmt: skip
-        a.plot([a_["admit_calls"]["refused"] / a_["offered"] for a_, _ in rs],
-               [100 * v["sim_late_frac"] for _, v in rs], m, mfc="none",
-               label=f"simulated, {case}")  # fmt: skip
+        simulated = [{"x": a_["admit_calls"]["refused"] / a_["offered"],
+                      "y": 100 * v["sim_late_frac"]}
+                     for a_ in admission for v in validation
+                     if v["case"] == case and v["queue_beats"] == a_["queue_beats"]]  # fmt: skip
+        draw.lines(a, simulated, "x", [draw.Y("y", m, label=f"simulated, {case}",
+                                              style={"mfc": "none"})], sort=False)  # fmt: skip
     a.set(xlabel="calls refused (fraction)",
           title=f"H200 burst: {r0['offered']} calls in {r0['burst_beats']} beats, "
                 f"{r0['slots']} slots")  # fmt: skip
     a.set_yscale("symlog", linthresh=1e-3)
-    a.set_xlim(0, 1.25 * max(r["engine"]["refused"] / r["offered"] for r in admission))
+    a.set_xlim(0, 1.25 * max(r["x"] for r in measured))
     a.legend(fontsize=7, loc="upper left")
 
 

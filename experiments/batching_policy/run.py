@@ -13,7 +13,9 @@ simulator's validation against the real server. ``--fit`` picks the rows: ``capa
 the current engine's ``experiments/capacity`` rows, ``sim.fit_capacity``; with
 ``--capacity_config=xla_tts`` the rows of the engine with XLA's speech-decoder attention, the
 README's history) or ``beat_profile`` (the older engine's rows, ``sim.fit_h200``: the README's older
-history). See README.md beside this file.
+history).
+``--parts=`` (neither part) draws only the figure, from the rows already written (``--sim_out``,
+``--out``), through ``experiments.plot``. See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from experiments import harness
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
+from experiments import plot as draw  # noqa: E402
 from experiments.policy_sim import engine_runs as er  # noqa: E402
 from experiments.policy_sim import fits, sim  # noqa: E402
 from voicechat_jax.engine import Engine  # noqa: E402
@@ -205,32 +208,25 @@ def sim_part() -> list[dict]:
 
 
 def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    """Left: simulated p99 against sessions per policy; right: the measured lockstep and batch-1
+    p99 (``experiments.plot``)."""
+    fig, ax = draw.figure(1, 2, size=(11, 4.2))
     pol = [r for r in sim_rows if r["kind"] == "policy"]
-    for name in dict.fromkeys(r["policy"] for r in pol):
-        rs = sorted((r for r in pol if r["policy"] == name), key=lambda r: r["sessions"])
-        ax[0].plot([r["sessions"] for r in rs], [r["p99_ms"] for r in rs], ".-", label=name)
-    ax[0].axhline(160, color="grey", lw=0.8, ls="--")
+    draw.lines(ax[0], pol, "sessions", [draw.Y("p99_ms", ".-", label="{group}")], group="policy")
+    draw.rule(ax[0], 160, color="grey", lw=0.8, ls="--")
     ax[0].set(xscale="log", yscale="log", xlabel="sessions", ylabel="p99 beat latency ms",
               title=f"H200, simulated (fit to {fits.fit_label(sim_rows)})")  # fmt: skip
     ax[0].legend(fontsize=8)
     for kind, mark in (("lockstep", "o-"), ("per_session", "s--")):
-        rs = sorted((r for r in engine_rows if r["kind"] == kind), key=lambda r: r["sessions"])
-        if rs:
-            ax[1].plot([r["sessions"] for r in rs], [r["p99_ms"] for r in rs], mark, label=kind)
-    ax[1].axhline(160, color="grey", lw=0.8, ls="--")
+        rs = [r for r in engine_rows if r["kind"] == kind]
+        draw.lines(ax[1], rs, "sessions", [draw.Y("p99_ms", mark, label=kind)])
+    draw.rule(ax[1], 160, color="grey", lw=0.8, ls="--")
     dev = engine_rows[0]["device"] if engine_rows else "?"
     model = engine_rows[0]["model"] if engine_rows else "?"
     ax[1].set(xlabel="sessions", ylabel="p99 beat latency ms",
               title=f"measured: {model} on {dev}")  # fmt: skip
     ax[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    draw.save(fig, path, dpi=110)
 
 
 def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:

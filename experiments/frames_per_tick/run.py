@@ -13,8 +13,9 @@ H200 rows. ``--fit`` picks the whole-tick fit: ``capacity`` (default: the curren
 ``experiments/capacity`` rows, ``sim.fit_capacity``; ``--capacity_config=xla_tts`` the earlier
 engine's, the README's history) or ``beat_profile`` (the older engine's, ``sim.fit_h200``: the
 oldest history); the split into per-frame and per-beat parts comes from the beat_profile
-component rows under every fit. Not validated at f != 2 (no such rows yet). See README.md beside
-this file.
+component rows under every fit. Not validated at f != 2 (no such rows yet).
+``--parts=`` (neither part) draws only the figure, from the rows already written (``--sim_out``,
+``--out``), through ``experiments.plot``. See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from experiments import harness
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
+from experiments import plot as draw  # noqa: E402
 from experiments.policy_sim import engine_runs as er  # noqa: E402
 from experiments.policy_sim import fits, sim  # noqa: E402
 from voicechat_jax.engine import Engine  # noqa: E402
@@ -214,51 +216,42 @@ def sim_part() -> list[dict]:
 
 
 def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    """Left: simulated capacity against input-to-output latency per frames-per-tick model; right:
+    the measured tick per frame against frames per tick, with the split's line
+    (``experiments.plot``)."""
+    fig, ax = draw.figure(1, 2, size=(11, 4.2))
     caps = [r for r in sim_rows if r["kind"] == "capacity"]
     label = fits.fit_label(sim_rows)
     names = {False: "per-beat parts fixed", True: "per-beat parts ~ f",
              None: "split measured (a line in f at 32 slots)"}  # fmt: skip
+    x = "input_to_output_p50_at_16_ms"
     for scales, mark in ((False, "o-"), (True, "s--"), (None, "D-")):
         rs = [r for r in caps if r["per_beat_scales"] == scales]
-        if not rs:
-            continue
-        lab = names[scales]
-        ax[0].plot([r["input_to_output_p50_at_16_ms"] for r in rs], [r["capacity"] for r in rs],
-                   mark, label=lab)  # fmt: skip
-        for r in rs:
-            ax[0].annotate(f"f={r['frames_per_tick']}", (r["input_to_output_p50_at_16_ms"],
-                                                         r["capacity"]), fontsize=8)  # fmt: skip
+        draw.lines(ax[0], rs, x, [draw.Y("capacity", mark, label=names[scales])], sort=False)
+        draw.labels(ax[0], rs, x, "capacity", "f={frames_per_tick}", fontsize=8)
     ax[0].set(xlabel="input-to-output p50 at 16 sessions (beat + tick) ms",
               ylabel="capacity at zero misses",
               title=f"H200, simulated ({label})")  # fmt: skip
     ax[0].legend(fontsize=8)
-    ticks = [r for r in engine_rows if r["kind"] == "tick"]
-    for n in sorted({r["slots"] for r in ticks}):
-        rs = sorted((r for r in ticks if r["slots"] == n), key=lambda r: r["frames_per_tick"])
-        per_frame = [r["tick_ms"] / r["frames_per_tick"] for r in rs]
-        ax[1].plot([r["frames_per_tick"] for r in rs], per_frame, "o-", label=f"B={n}")
+    ticks = sorted((r for r in engine_rows if r["kind"] == "tick"), key=lambda r: r["slots"])
+    per_frame = [{**r, "per_frame_ms": r["tick_ms"] / r["frames_per_tick"]} for r in ticks]
+    draw.lines(ax[1], per_frame, "frames_per_tick", [draw.Y("per_frame_ms", label="B={group}")],
+               group="slots")  # fmt: skip
     split = next((r for r in sim_rows if r["kind"] == "split"), None)
     if split:  # the line in f through the measured ticks, f = 2 from the scheduling experiments
-        f = np.array([p[0] for p in split["points"]], float)
-        grid = np.linspace(1, 4, 31)
-        ax[1].plot(f, [p[1] / p[0] for p in split["points"]], "kx", ms=8,
-                   label=f"B={split['slots']}: points of the split fit")  # fmt: skip
+        points = [{"f": float(f), "per_frame_ms": t / f} for f, t in split["points"]]
+        draw.lines(ax[1], points, "f", [draw.Y("per_frame_ms", "kx", style={"ms": 8},
+                   label=f"B={split['slots']}: points of the split fit")], sort=False)  # fmt: skip
+        grid = [{"f": f, "per_frame_ms": split["per_beat_ms"] / f + split["per_frame_ms"]}
+                for f in np.linspace(1, 4, 31)]  # fmt: skip
         line = f"{split['per_beat_ms']:.1f} / f + {split['per_frame_ms']:.1f} ms"
-        ax[1].plot(grid, split["per_beat_ms"] / grid + split["per_frame_ms"], "k:", lw=1,
-                   label=line)  # fmt: skip
+        draw.lines(ax[1], grid, "f", [draw.Y("per_frame_ms", "k:", label=line, style={"lw": 1})])
     model = engine_rows[0]["model"] if engine_rows else "?"
     dev = engine_rows[0]["device"] if engine_rows else "?"
     ax[1].set(xlabel="frames per tick", ylabel="tick ms per frame",
               title=f"measured: {model} on {dev}")  # fmt: skip
     ax[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    draw.save(fig, path, dpi=110)
 
 
 def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:

@@ -25,7 +25,8 @@ to the fitted tick), or from this experiment's own H200 engine rows (``--speech_
 lines fitted to ``--speech_rows``, the copy from their compacted minus small step). Skipping a
 silent frame changes what the model computes (its speech-decoder context skips those frames): this
 measures cost, not quality.
-See README.md beside this file.
+``--parts=`` (neither part) draws only the figure, from the rows already written (``--sim_out``,
+``--out``), through ``experiments.plot``. See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from experiments import harness
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
+from experiments import plot as draw  # noqa: E402
 from experiments.policy_sim import engine_runs as er  # noqa: E402
 from experiments.policy_sim import fits, sim  # noqa: E402
 from voicechat_jax.engine import build_template  # noqa: E402
@@ -365,37 +367,32 @@ def sim_part() -> list[dict]:
 
 
 def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
-    label = fits.fit_label(sim_rows)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    """Left: simulated capacity against the share of speaking sessions per variant; right: the
+    measured speech decoder's ms per frame step, one bar per way (``experiments.plot``)."""
+    fig, ax = draw.figure(1, 2, size=(11, 4.2))
     caps = [r for r in sim_rows if r["kind"] == "capacity"]
     speech = next((r for r in sim_rows if r["kind"] == "model"), {}).get(
         "speech_cost", "components"
     )
-    for v in dict.fromkeys(r["variant"] for r in caps):
-        rs = [r for r in caps if r["variant"] == v]
-        ax[0].plot([r["speaking"] for r in rs], [r["capacity"] for r in rs], "o-", label=v)
-    title = f"H200, simulated ({label}; speech ms: {speech})"
+    draw.lines(ax[0], caps, "speaking", [draw.Y("capacity", label="{group}")], group="variant",
+               sort=False)  # fmt: skip
+    title = f"H200, simulated ({fits.fit_label(sim_rows)}; speech ms: {speech})"
     ax[0].set(xlabel="share of sessions whose agent speaks", ylabel="capacity at zero misses")
-    ax[0].set_title(title, fontsize=9 if len(title) > 70 else None)  # the tick line's is long
+    # the tick line's title is long: smaller, the others at the axes' title size
+    ax[0].set_title(title, **({"fontsize": 9} if len(title) > 75 else {}))
     ax[0].legend(fontsize=8)
-    sp = [r for r in engine_rows if r["kind"] == "speech"]
+    sp = [{**r, "bar": i} for i, r in enumerate(r for r in engine_rows if r["kind"] == "speech")]
     if sp:
-        labels = [f"B={r['slots']} k={r['speaking']}" for r in sp]
-        x = np.arange(len(sp))
         for i, v in enumerate(("full", "masked", "compacted", "small")):
-            ax[1].bar(x + 0.2 * i, [r[f"tts_{v}_ms"] for r in sp], 0.2, label=f"tts {v}")
-        ax[1].set_xticks(x + 0.3, labels, rotation=30, fontsize=7)
+            draw.bars(ax[1], sp, "bar", f"tts_{v}_ms", xs=range(len(sp)), offset=0.2 * i,
+                      width=0.2, label=f"tts {v}")  # fmt: skip
+        labels = [f"B={r['slots']} k={r['speaking']}" for r in sp]
+        ax[1].set_xticks(np.arange(len(sp)) + 0.3, labels, rotation=30, fontsize=7)
     model = engine_rows[0]["model"] if engine_rows else "?"
     dev = engine_rows[0]["device"] if engine_rows else "?"
     ax[1].set(ylabel="ms per frame step", title=f"measured: {model} on {dev}")
     ax[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    draw.save(fig, path, dpi=110)
 
 
 def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:

@@ -11,8 +11,9 @@ models fitted to the H200 rows: capacity at zero misses, p50/p99 and device busy
 groups. One group is the validated lockstep simulator; staggered groups are not validated yet.
 ``--fit`` picks the rows: ``capacity`` (default: the current engine's ``experiments/capacity``
 rows, ``sim.fit_capacity``; ``--capacity_config=xla_tts`` the earlier engine's, the README's
-history) or ``beat_profile`` (the older engine's, ``sim.fit_h200``: the oldest history). See
-README.md beside this file.
+history) or ``beat_profile`` (the older engine's, ``sim.fit_h200``: the oldest history).
+``--parts=`` (neither part) draws only the figure, from the rows already written (``--sim_out``,
+``--out``), through ``experiments.plot``. See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from experiments import harness
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
+from experiments import plot as draw  # noqa: E402
 from experiments.policy_sim import engine_runs as er  # noqa: E402
 from experiments.policy_sim import fits, sim  # noqa: E402
 from voicechat_jax.engine import Engine  # noqa: E402
@@ -169,33 +171,28 @@ def sim_part() -> list[dict]:
 
 
 def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
-    label = fits.fit_label(sim_rows)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    """Left: simulated p50 and p99 against sessions per number of phase groups; right: the
+    measured p50 (bars) and p99 per grouping (``experiments.plot``)."""
+    fig, ax = draw.figure(1, 2, size=(11, 4.2))
     pts = [r for r in sim_rows if r["kind"] == "sim"]
     for g in sorted({r["groups"] for r in pts}):
-        rs = sorted((r for r in pts if r["groups"] == g), key=lambda r: r["sessions"])
-        ax[0].plot([r["sessions"] for r in rs], [r["p50_ms"] for r in rs], "o-", label=f"{g} p50")
-        ax[0].plot([r["sessions"] for r in rs], [r["p99_ms"] for r in rs], "x--", label=f"{g} p99")
-    ax[0].axhline(160, color="grey", lw=0.8, ls="--")
+        ys = [draw.Y("p50_ms", "o-", label=f"{g} p50"), draw.Y("p99_ms", "x--", label=f"{g} p99")]
+        draw.lines(ax[0], [r for r in pts if r["groups"] == g], "sessions", ys)
+    draw.rule(ax[0], 160, color="grey", lw=0.8, ls="--")
+    label = fits.fit_label(sim_rows)
     ax[0].set(xlabel="sessions (all groups)", ylabel="beat latency ms",
               title=f"H200, simulated ({label}): offsets P / groups")  # fmt: skip
     ax[0].legend(fontsize=7, ncol=2)
-    gr = [r for r in engine_rows if r["kind"] == "groups"]
+    gr = [{**r, "bar": i} for i, r in enumerate(r for r in engine_rows if r["kind"] == "groups")]
     if gr:
-        labels = [f"{r['groups']} x {r['group_slots']}" for r in gr]
-        ax[1].bar(labels, [r["p50_ms"] for r in gr], label="p50")
-        ax[1].plot(labels, [r["p99_ms"] for r in gr], "kx", label="p99")
+        draw.bars(ax[1], gr, "bar", "p50_ms", xs=range(len(gr)), label="p50")
+        draw.lines(ax[1], gr, "bar", [draw.Y("p99_ms", "kx", label="p99")], sort=False)
+        ax[1].set_xticks(range(len(gr)), [f"{r['groups']} x {r['group_slots']}" for r in gr])
     model = engine_rows[0]["model"] if engine_rows else "?"
     dev = engine_rows[0]["device"] if engine_rows else "?"
     ax[1].set(ylabel="beat latency ms", title=f"measured: {model} on {dev}")
     ax[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    draw.save(fig, path, dpi=110)
 
 
 def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:

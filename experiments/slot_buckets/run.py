@@ -13,7 +13,8 @@ rows, ``sim.fit_capacity``; with ``--capacity_config=xla_tts`` the rows of the e
 speech-decoder attention, the README's history) or ``beat_profile`` (the older engine's,
 ``sim.fit_h200``: the README's older history); the move cost comes from the beat_profile component
 and copy rows under each.
-See README.md beside this file.
+``--parts=`` (neither part) draws only the figure, from the rows already written (``--sim_out``,
+``--out``), through ``experiments.plot``. See README.md beside this file.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from experiments import harness
 
 _HERE = pathlib.Path(__file__).resolve().parent
 _REPO = _HERE.parents[1]
+from experiments import plot as draw  # noqa: E402
 from experiments.policy_sim import engine_runs as er  # noqa: E402
 from experiments.policy_sim import fits, sim  # noqa: E402
 from voicechat_jax.engine import Engine  # noqa: E402
@@ -243,39 +245,33 @@ def sim_part() -> list[dict]:
 
 
 def plot(sim_rows: list[dict], engine_rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    """An hour of calls simulated per variant (busy GPU-seconds per conversation-hour, then p99,
+    against mean live calls) and the measured ticks of the fixed and the bucketed engine
+    (``experiments.plot``)."""
+    fig, ax = draw.figure(1, 3, size=(15, 4.2))
     hr = [r for r in sim_rows if r["kind"] == "hour"]
-    for v in dict.fromkeys(r["variant"] for r in hr):
-        rs = [r for r in hr if r["variant"] == v]
-        ax[0].plot([r["mean_live"] for r in rs], [r["busy_gpu_s_per_conv_h"] for r in rs], ".-",
-                   label=v)  # fmt: skip
+    draw.lines(ax[0], hr, "mean_live", [draw.Y("busy_gpu_s_per_conv_h", ".-", label="{group}")],
+               group="variant", sort=False)  # fmt: skip
     ax[0].set(xlabel="mean live calls", ylabel="busy GPU-s per conversation-hour",
               title="simulated: an hour of calls")  # fmt: skip
     ax[0].legend(fontsize=8)
-    for v in dict.fromkeys(r["variant"] for r in hr):
-        rs = [r for r in hr if r["variant"] == v]
-        ax[1].plot([r["mean_live"] for r in rs], [r["p99_ms"] for r in rs], ".-", label=v)
-    ax[1].axhline(160, color="grey", lw=0.8, ls="--")
+    draw.lines(ax[1], hr, "mean_live", [draw.Y("p99_ms", ".-", label="{group}")],
+               group="variant", sort=False)  # fmt: skip
+    draw.rule(ax[1], 160, color="grey", lw=0.8, ls="--")
     ax[1].set(xlabel="mean live calls", ylabel="p99 beat ms",
               title="simulated: the beat")  # fmt: skip
     ax[1].legend(fontsize=8)
     ticks = [r for r in engine_rows if r["kind"] == "tick"]
     for eng, mark in (("fixed", "o-"), ("buckets", "s--")):
-        rs = sorted((r for r in ticks if r["engine"] == eng), key=lambda r: r["live"])
-        ax[2].plot([r["live"] for r in rs], [r["tick_ms"] for r in rs], mark, label=eng)
+        rs = [r for r in ticks if r["engine"] == eng]
+        draw.lines(ax[2], rs, "live", [draw.Y("tick_ms", mark, label=eng)])
     model = engine_rows[0]["model"] if engine_rows else "?"
     dev = engine_rows[0]["device"] if engine_rows else "?"
     ax[2].set(xlabel="live sessions", ylabel="tick ms (back to back)",
               title=f"measured: {model} on {dev}")  # fmt: skip
     ax[2].legend(fontsize=8)
     fig.suptitle(f"H200, simulated with the {fits.fit_label(sim_rows)}", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    draw.save(fig, path, dpi=110)
 
 
 def print_tables(sim_rows: list[dict], engine_rows: list[dict]) -> None:
