@@ -8,10 +8,11 @@ Rows that no device measured (a simulation fitted to measured rows) say so: ``de
 ``experiments.rows`` reads the committed rows, holds older ones to the same keys and prints the
 READMEs' tables from them.
 
-The setup every engine experiment shares is here too: the test signal (``speech``), random
-weights (``random_params``), back-to-back tick timing (``tick_ms``), a call's median time
-(``time_call``) and the device's memory (``device_memory``). JAX is imported where used, so the
-rows tools load without it.
+The setup every engine experiment shares is here too: the engine flags as ``voicechat-serve``
+names them (``define_engine_flags``) and the ``ServeConfig`` they make (``serve_config``), the
+test signal (``speech``), random weights (``random_params``), back-to-back tick timing
+(``tick_ms``), a call's median time (``time_call``) and the device's memory
+(``device_memory``). JAX is imported where used, so the rows tools load without it.
 """
 
 from __future__ import annotations
@@ -105,6 +106,53 @@ class RowLog:
 
 
 # ---- the setup every engine experiment shares ------------------------------------------------
+
+KERNEL_FLAGS = ("ssm_kernel", "attention", "tts_attention", "projection")
+
+
+def define_engine_flags(*, precision: bool = True) -> None:
+    """``--ssm_kernel``, ``--attention``, ``--tts_attention``, ``--projection`` (``ServeConfig``'s
+    kernel choices, validated), and ``--precision`` (a policy name) unless the script chooses
+    policies itself."""
+    from absl import flags
+
+    from voicechat_jax import config as config_lib
+
+    if precision:
+        flags.DEFINE_string("precision", "reference", "Precision policy (precision.POLICIES).")
+    attention = [m.value for m in config_lib.AttentionImpl]
+    flags.DEFINE_enum(
+        "ssm_kernel", "auto", [m.value for m in config_lib.SSMKernel], "LLM Mamba-2 step update."
+    )
+    flags.DEFINE_enum("attention", "auto", attention, "LLM decode attention.")
+    flags.DEFINE_enum(
+        "tts_attention", None, attention, "Speech decoder's attention (default: as --attention)."
+    )
+    flags.DEFINE_enum(
+        "projection", "xla", [m.value for m in config_lib.ProjectionImpl], "LLM projections."
+    )
+
+
+def engine_flags() -> dict:
+    """The engine flags' values (``define_engine_flags``), for the rows."""
+    from absl import flags
+
+    f = flags.FLAGS
+    return {n: getattr(f, n) for n in ("precision", *KERNEL_FLAGS) if n in f}
+
+
+def serve_config(*, precision=None, **kw):
+    """A ``ServeConfig`` with the engine flags' kernels, ``precision`` (default: the
+    ``--precision`` policy) and ``kw``."""
+    from absl import flags
+
+    from voicechat_jax import config as config_lib
+    from voicechat_jax import precision as precision_lib
+
+    f = flags.FLAGS
+    precision = precision_lib.policy(f.precision) if precision is None else precision
+    kernels = {n: getattr(f, n) for n in KERNEL_FLAGS}
+    return config_lib.ServeConfig(precision=precision, **kernels, **kw)
 
 
 def speech(n: int, seed: int):

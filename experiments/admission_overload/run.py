@@ -68,7 +68,7 @@ flags.DEFINE_string(
     "Sim part, current fit: measured burst rows (kind 'burst') the simulator is checked against "
     "('' or a missing file: no check).",
 )  # fmt: skip
-er.define_engine_flags()
+harness.define_engine_flags()
 fits.define_fit_flags("admission_overload")
 
 
@@ -86,7 +86,7 @@ def burst_plans(spb: int) -> list[SessionPlan]:
 def engine_part(rows: list[dict]) -> None:
     base = er.engine_setup(FLAGS.model)
     cfg, params = er.build(FLAGS.model)
-    serve = er.serve_config(slots=FLAGS.slots, context_frames=FLAGS.context_frames)
+    serve = harness.serve_config(slots=FLAGS.slots, context_frames=FLAGS.context_frames)
     engine = Engine(params, cfg, serve)
     plans = burst_plans(engine.samples_per_beat)
     for q in (int(x) for x in FLAGS.queue_beats):

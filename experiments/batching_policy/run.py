@@ -55,7 +55,7 @@ flags.DEFINE_string("out", str(_HERE / "results/cpu_tiny.jsonl"), "Engine rows (
 flags.DEFINE_integer("seeds", 5, "Simulator seeds per point.")
 flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.")
 flags.DEFINE_list("windows_ms", ["0", "20", "60"], "Request-batching windows (simulated).")
-er.define_engine_flags()
+harness.define_engine_flags()
 fits.define_fit_flags("batching_policy")
 
 
@@ -133,7 +133,7 @@ def engine_part(rows: list[dict]) -> None:
     one_slot = None
     last_engine = None
     for n in (int(x) for x in FLAGS.sessions):
-        serve = er.serve_config(slots=n, context_frames=FLAGS.context_frames)
+        serve = harness.serve_config(slots=n, context_frames=FLAGS.context_frames)
         engine = Engine(params, cfg, serve, template=template)
         template = engine.template
         t = harness.tick_ms(engine, FLAGS.timed_ticks)
@@ -146,7 +146,7 @@ def engine_part(rows: list[dict]) -> None:
             one_slot = engine
         last_engine = engine
     if one_slot is None:
-        serve = er.serve_config(slots=1, context_frames=FLAGS.context_frames)
+        serve = harness.serve_config(slots=1, context_frames=FLAGS.context_frames)
         one_slot = Engine(params, cfg, serve, template=template)
     one_slot.compile_tick()
     t1 = float(np.median(harness.tick_ms(one_slot, FLAGS.timed_ticks)))

@@ -30,32 +30,19 @@ flags.DEFINE_integer("warmup_ticks", 5, "Ticks reported apart as warm-up.")
 flags.DEFINE_integer("context_frames", 256, "Context cap in frames (short context).")
 flags.DEFINE_enum("clock", "realtime", ["realtime", "offline"], "Beat clock.")
 flags.DEFINE_string("out", None, "JSON-lines file the rows are appended to.")
+# --ssm_kernel, --attention, --tts_attention, --projection (the precision is the reference policy).
+harness.define_engine_flags(precision=False)
 flags.DEFINE_enum(
     "at_cap",
     "end",
     [m.value for m in config_lib.AtCap],
     "At the context cap: end the session, or keep it live (rollover, reset, memory).",
 )
-flags.DEFINE_enum(
-    "ssm_kernel", "auto", [m.value for m in config_lib.SSMKernel], "Mamba-2 decode update."
-)
-flags.DEFINE_enum(
-    "projection", "xla", [m.value for m in config_lib.ProjectionImpl], "LLM projections."
-)
-flags.DEFINE_enum(
-    "attention", "auto", [m.value for m in config_lib.AttentionImpl], "LLM decode attention."
-)
 flags.DEFINE_bool(
     "hold_full",
     False,
     "Benchmark only: hold every slot's attention caches full (ServeConfig.hold_full), so kernels "
     "that skip unfilled rows read the whole 1,500-frame cache on every tick (the worst case).",
-)
-flags.DEFINE_enum(
-    "tts_attention",
-    None,
-    [m.value for m in config_lib.AttentionImpl],
-    "Speech decoder's (default: as --attention).",
 )
 flags.DEFINE_bool(
     "churn",
@@ -66,17 +53,13 @@ flags.DEFINE_bool(
 
 
 def serve_config(precision, sessions: int, **serve_kw) -> config_lib.ServeConfig:
-    """The flags' server configuration for ``sessions`` slots."""
-    return config_lib.ServeConfig(
+    """The flags' server configuration for ``sessions`` slots (``harness.serve_config``)."""
+    return harness.serve_config(
+        precision=precision,
         slots=sessions,
         frames_per_tick=2,
         context_frames=FLAGS.context_frames,
-        ssm_kernel=FLAGS.ssm_kernel,
-        attention=FLAGS.attention,
-        tts_attention=FLAGS.tts_attention,
-        precision=precision,
         at_cap=FLAGS.at_cap,
-        projection=FLAGS.projection,
         hold_full=FLAGS.hold_full,
         **serve_kw,
     )

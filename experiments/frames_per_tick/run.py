@@ -58,7 +58,7 @@ flags.DEFINE_string(
     "fpt_rows", str(_HERE / "results/h200_voicechat_11b.jsonl"),
     "H200 engine rows of this experiment (ticks and serves at f != 2), for --split=measured.",
 )  # fmt: skip
-er.define_engine_flags()
+harness.define_engine_flags()
 fits.define_fit_flags("frames_per_tick")
 
 
@@ -74,7 +74,7 @@ def engine_part(rows: list[dict]) -> None:
     for f in (int(x) for x in FLAGS.fpt):
         counts = sorted({int(x) for x in FLAGS.sessions} | {FLAGS.serve_sessions} - {0})
         for n in counts:
-            serve = er.serve_config(slots=n, frames_per_tick=f,
+            serve = harness.serve_config(slots=n, frames_per_tick=f,
                                            context_frames=FLAGS.context_frames)  # fmt: skip
             engine = Engine(params, cfg, serve, template=template)
             template = engine.template

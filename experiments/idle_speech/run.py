@@ -77,7 +77,7 @@ flags.DEFINE_string(
     "speech_rows", str(_HERE / "results/h200_voicechat_11b.jsonl"),
     "This experiment's H200 engine rows (kind speech), for --speech_cost=measured.",
 )  # fmt: skip
-er.define_engine_flags()
+harness.define_engine_flags()
 fits.define_fit_flags("idle_speech")
 
 
@@ -108,7 +108,7 @@ def _scatter(tree, idx, sub):
 def engine_part(rows: list[dict]) -> None:
     base = er.engine_setup(FLAGS.model)
     cfg, params = er.build(FLAGS.model)
-    serve = er.serve_config(slots=1, context_frames=FLAGS.context_frames)
+    serve = harness.serve_config(slots=1, context_frames=FLAGS.context_frames)
     template = build_template(params, cfg, serve)
     Q = cfg.tts.n_quantizers
     step = functools.partial(ear_tts.tts_step, cfg=cfg, deterministic=False)

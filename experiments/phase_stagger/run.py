@@ -55,7 +55,7 @@ flags.DEFINE_list(
     "sim_sessions", ["8", "16", "24", "32", "40", "48"],
     "Simulated session counts reported (besides the capacity; those a multiple of the groups).",
 )  # fmt: skip
-er.define_engine_flags()
+harness.define_engine_flags()
 fits.define_fit_flags("phase_stagger")
 
 
@@ -122,7 +122,7 @@ def engine_part(rows: list[dict]) -> None:
     template = None
     for n in (int(x) for x in FLAGS.sessions):
         for groups in (1, 2):
-            serve = er.serve_config(slots=n // groups, context_frames=FLAGS.context_frames)
+            serve = harness.serve_config(slots=n // groups, context_frames=FLAGS.context_frames)
             engine = Engine(params, cfg, serve, template=template)
             template = engine.template
             t = float(np.median(harness.tick_ms(engine, FLAGS.timed_ticks)))

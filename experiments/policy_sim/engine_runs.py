@@ -1,8 +1,8 @@
 """Real-engine measurements shared by the scheduling experiments (issue 15).
 
-Each experiment's ``run.py`` (absl) calls ``define_engine_flags`` (precision policy and kernels,
-as ``voicechat-serve`` names them), builds the model once with ``build`` and its serve
-configurations with ``serve_config``, then measures with:
+Each experiment's ``run.py`` (absl) calls ``harness.define_engine_flags`` (precision policy and
+kernels, as ``voicechat-serve`` names them), builds the model once with ``build`` and its serve
+configurations with ``harness.serve_config``, then measures with:
 
 - ``serve``: a serving run of scripted sessions on the beat clock under a scheduler, one row;
 - ``experiments.harness``'s ``tick_ms`` (back-to-back ticks, some slots live), ``time_call`` and
@@ -34,36 +34,7 @@ _REPO = pathlib.Path(__file__).resolve().parents[2]
 
 def engine_setup(model: str) -> dict:
     """Model preset and engine flags, for every engine row (``RowLog`` adds the provenance)."""
-    return {"model": model, **engine_flags()}
-
-
-def define_engine_flags() -> None:
-    """``--precision``, ``--ssm_kernel``, ``--attention``, ``--tts_attention``, ``--projection``."""
-    flags.DEFINE_string("precision", "reference", "Precision policy (precision.POLICIES).")
-    flags.DEFINE_string("ssm_kernel", "auto", "LLM Mamba step update (ServeConfig.ssm_kernel).")
-    flags.DEFINE_string("attention", "auto", "LLM decode attention (ServeConfig.attention).")
-    flags.DEFINE_string("tts_attention", None, "Speech decoder's attention (default: as LLM's).")
-    flags.DEFINE_string("projection", "xla", "LLM projections (ServeConfig.projection).")
-
-
-def serve_config(**kw) -> config_lib.ServeConfig:
-    """A ``ServeConfig`` with the flags' precision policy and kernels, and ``kw``."""
-    f = flags.FLAGS
-    return config_lib.ServeConfig(
-        precision=precision_lib.policy(f.precision),
-        ssm_kernel=f.ssm_kernel,
-        attention=f.attention,
-        tts_attention=f.tts_attention,
-        projection=f.projection,
-        **kw,
-    )
-
-
-def engine_flags() -> dict:
-    """The flags' precision and kernels, for the rows."""
-    f = flags.FLAGS
-    names = ("precision", "ssm_kernel", "attention", "tts_attention", "projection")
-    return {n: getattr(f, n) for n in names}
+    return {"model": model, **harness.engine_flags()}
 
 
 def build(model: str):

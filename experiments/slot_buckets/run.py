@@ -61,7 +61,7 @@ flags.DEFINE_integer("capacity_beats", 500, "Beats per simulated capacity probe.
 flags.DEFINE_list("erlangs", ["10", "20", "30", "40", "50"], "Simulated offered loads.")
 flags.DEFINE_list("hysteresis", ["0", "25", "125"], "Simulated shrink_after values (beats).")
 flags.DEFINE_integer("hour_beats", 22500, "Simulated beats (22,500 = one hour).")
-er.define_engine_flags()
+harness.define_engine_flags()
 fits.define_fit_flags("slot_buckets")
 
 
@@ -87,7 +87,7 @@ def engine_part(rows: list[dict]) -> None:
     buckets = sorted(int(x) for x in FLAGS.buckets)
     top = buckets[-1]
     cfg, params = er.build(FLAGS.model)
-    serve = er.serve_config(slots=top, context_frames=FLAGS.context_frames)
+    serve = harness.serve_config(slots=top, context_frames=FLAGS.context_frames)
     fixed = Engine(params, cfg, serve)  # its programs are shared with the buckets
     fixed.compile_tick()
     rows.append({**base, "kind": "compile", "engine": "fixed", "programs": 1,
