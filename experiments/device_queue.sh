@@ -10,7 +10,8 @@
 # while the machine is still warm, picks up where it stands. Every command runs in the repository
 # root with the persistent compilation cache set; it should write its rows under $QUEUE_ROWS
 # (exported to it), which `wait` copies back. State lives outside the repository, which each call
-# copies over again: $DEVICE_QUEUE_DIR, by default /tmp/device_queue. How to plan calls around
+# copies over again: $DEVICE_QUEUE_DIR, by default /tmp/device_queue. The device's copy of the
+# checkout keeps older git metadata: export EXPERIMENTS_COMMIT (the commit sent) before `start`. How to plan calls around
 # it (idle release, machines lost between calls, compile costs): docs/gpu-notes.md.
 set -u
 dir=${DEVICE_QUEUE_DIR:-/tmp/device_queue}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import shlex
 import subprocess
@@ -35,8 +36,18 @@ def _git(*args: str) -> str:
     return out.stdout.strip()
 
 
+COMMIT_ENV = "EXPERIMENTS_COMMIT"
+
+
 def commit() -> str:
-    """The short commit of this checkout, with ``+dirty`` when it has uncommitted changes."""
+    """The short commit of this checkout, with ``+dirty`` when it has uncommitted changes; or
+    ``$EXPERIMENTS_COMMIT`` when set. A lent device's copy of the working tree keeps the git
+    metadata of an older commit (2026-12-05: ``b87ce12+dirty`` for a tree at ``752356b``), so a
+    device call sets it to the commit it sends: ``EXPERIMENTS_COMMIT=<git rev-parse --short HEAD
+    here>``."""
+    given = os.environ.get(COMMIT_ENV)
+    if given:
+        return given
     try:
         head = _git("rev-parse", "--short", "HEAD")
         dirty = _git("status", "--porcelain", "--untracked-files=no")

@@ -183,3 +183,13 @@ def test_matplotlib_is_imported_only_by_the_one_plotting_path():
         if imports.search(p.read_text())
     ]  # fmt: skip
     assert found == ["experiments/plot.py"]
+
+
+def test_a_device_call_names_the_commit_it_sent(monkeypatch):
+    """A lent device's checkout keeps older git metadata: ``EXPERIMENTS_COMMIT`` names the tree."""
+    from experiments import harness
+
+    monkeypatch.setenv(harness.COMMIT_ENV, "752356b")
+    assert harness.commit() == "752356b"
+    monkeypatch.delenv(harness.COMMIT_ENV)
+    assert harness.commit() != "752356b"
