@@ -13,7 +13,9 @@ H200 rows. ``--fit`` picks the whole-tick fit: ``capacity`` (default: the curren
 ``experiments/capacity`` rows, ``sim.fit_capacity``; ``--capacity_config=xla_tts`` the earlier
 engine's, the README's history) or ``beat_profile`` (the older engine's, ``sim.fit_h200``: the
 oldest history); the split into per-frame and per-beat parts comes from the beat_profile
-component rows under every fit. Not validated at f != 2 (no such rows yet).
+component rows under every fit (``--split=components``); the default ``--split=measured`` takes
+it from the H200's ticks at f = 2, 3 and 4 and is validated against H200 serving rows at f = 3
+and 4 (README.md).
 ``--parts=`` (neither part) draws only the figure, from the rows already written (``--sim_out``,
 ``--out``), through ``experiments.plot``. See README.md beside this file.
 """
