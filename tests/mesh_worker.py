@@ -52,6 +52,10 @@ SCRIPT = {
     5: ((1, 6), ()),
 }
 RESEED = (4, 7, (5, 6, 7))  # beat, slot, capsule token ids
+# Slot 4 (device 2) rolls over at beat LANE[0] from a lane: its capsule asked a beat ahead
+# (``prefill``), prefilled behind that beat's tick and swapped in (``mesh.make_staged``'s ``lane``
+# and ``swap``).
+LANE = (6, 4, (8, 9))  # beat, slot, capsule token ids
 HOLD = (6, 3)  # beat, slot
 BEATS = 8
 
@@ -94,6 +98,12 @@ def _beats(engine: Engine) -> list:
             b.reseed[slot] = True
             b.capsule[slot, : len(capsule)] = capsule
             b.capsule_len[slot] = len(capsule)
+        if k in (LANE[0] - 1, LANE[0]):
+            slot, capsule = LANE[1], LANE[2]
+            b.capsule[slot, : len(capsule)] = capsule
+            b.capsule_len[slot] = len(capsule)
+            b.prefill[slot] = k == LANE[0] - 1
+            b.reseed[slot] = k == LANE[0]
         if k == HOLD[0]:
             b.run[HOLD[1]] = False
         beats.append(b)
@@ -148,6 +158,8 @@ def _scripted(one: Engine, sharded: Engine, mesh, result: dict, arrays: dict) ->
         before = jax.tree_util.tree_leaves(sharded.state)
         om = sharded.tick(bm)
         jax.block_until_ready(om)
+        if k == LANE[0] - 1:
+            result["prefilled"] = {"one": one.prefilled, "mesh": sharded.prefilled}
         donated.append(all(x.is_deleted() for x in before))
         specs.append(sorted(set(_leaf_specs(sharded.state, mesh))))
         if k == 0:

@@ -133,6 +133,15 @@ def test_sessions_join_on_every_device(worker):
     assert not a[f"beat{w.HOLD[0]}/mesh/ran"][w.HOLD[1]]
 
 
+def test_a_roll_over_from_a_lane_on_another_device(worker):
+    """Slot 4's capsule, asked a beat ahead, was prefilled on the mesh as on one device and swapped
+    in at the roll-over (the outputs of every beat are compared in the test below)."""
+    result, a = worker
+    assert result["prefilled"] == {"one": [w.LANE[1]], "mesh": [w.LANE[1]]}
+    assert a[f"beat{w.LANE[0]}/mesh/reseeded"][w.LANE[1]]
+    assert a[f"beat{w.LANE[0]}/one/reseeded"][w.LANE[1]]
+
+
 def _same_beats(a: dict, beats: int, got, want, wav_atol: float) -> None:
     """Every beat, every slot that ran: the slot flags equal, text, function and codes bit for
     bit, the wav (real audio, not silence) within ``wav_atol``; ``got(k, name)`` and
