@@ -442,11 +442,12 @@ class Engine:
             tick = step_lib.make_tick(self.cfg, self.serve, kernels)
         else:
             tick = mesh_lib.make_tick(self.cfg, self.serve, self.mesh, kernels)
-        compiled = tick.lower(*args).compile()
+        lowered = tick.lower(*args)
+        compiled = lowered.compile()
         _log_compiled(f"tick ({b} slots)", compiled, self.memory)
         pad = None
         if b < self.serve.slots:
-            out_b = jax.eval_shape(tick, *args)[1]
+            out_b = lowered.out_info[1]  # the bucket's outputs, as traced for its tick
             jitted_pad = jax.jit(functools.partial(buckets_lib.pad_slots, slots=self.serve.slots))
             pad = jitted_pad.lower(out_b).compile()
         return BucketPrograms(compiled, pad, jitted, stage_args)

@@ -295,23 +295,35 @@ def make_tick(
       ValueError: slots that do not split over ``data``, or an LLM that ``model`` cannot split.
     """
     check_slots(serve.slots, mesh)
+    return _tick_program(cfg, serve, mesh, kernels, staged=False)
+
+
+def _program(fn: Callable, mesh: Mesh, in_specs, out_specs, donate: tuple[int, ...] = ()):
+    """``fn`` run on each device of ``mesh`` (``shard_map``), jitted with the specs' shardings."""
+    return jax.jit(
+        shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
+        in_shardings=_named(in_specs, mesh),
+        out_shardings=_named(out_specs, mesh),
+        donate_argnums=donate,
+    )
+
+
+def _tick_program(
+    cfg: ModelConfig, serve: ServeConfig, mesh: Mesh, kernels: Kernels | None, *, staged: bool
+) -> Callable:
+    """``step.tick`` (``staged`` as given) over ``mesh``, the state donated (``make_tick``)."""
     local = local_config(cfg, serve, mesh)
 
     def tick(params, state, template, beat, masks):  # step.CompileCounter("tick") counts it
         with serve.precision.scope():
             return step_lib.tick(
-                params, state, template, beat, masks, cfg=local, serve=serve, kernels=kernels
-            )
+                params, state, template, beat, masks, cfg=local, serve=serve, kernels=kernels,
+                staged=staged,
+            )  # fmt: skip
 
-    specs = (param_specs(mesh), state_specs(cfg, mesh), template_specs(cfg, mesh), P(DATA), P(DATA))
-    per_device = shard_map(tick, mesh=mesh, in_specs=specs, out_specs=(specs[1], P(DATA)))
-    shardings = _named(specs, mesh)
-    return jax.jit(
-        per_device,
-        in_shardings=shardings,
-        out_shardings=(shardings[1], shardings[3]),
-        donate_argnums=(1,),
-    )
+    ss = state_specs(cfg, mesh)
+    in_specs = (param_specs(mesh), ss, template_specs(cfg, mesh), P(DATA), P(DATA))
+    return _program(tick, mesh, in_specs, (ss, P(DATA)), donate=(1,))
 
 
 def _local_slot(slot: jax.Array, per_device: int) -> tuple[jax.Array, jax.Array]:
@@ -342,15 +354,6 @@ def make_staged(
     llm = P() if model_parallel(mesh) == 1 else ts.llm  # a lane's LLM state, as the template's
     lane_specs = step_lib.CapsuleLane(llm=llm, slot=P(), ids=P(), n=P())
 
-    def program(fn, in_specs, out_specs, donate=()):
-        shardings = _named(in_specs, mesh)
-        return jax.jit(
-            shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
-            in_shardings=shardings,
-            out_shardings=_named(out_specs, mesh),
-            donate_argnums=donate,
-        )
-
     def admit(state, template, slot):
         return step_lib.admit_slot(state, template, *_local_slot(slot, per))
 
@@ -370,20 +373,13 @@ def make_staged(
         with precision.scope():
             return step_lib.prefill_lane(params, template, capsule, n, slot, cfg=local)
 
-    def tick(params, state, template, beat, masks):  # step.CompileCounter("tick") counts it
-        with precision.scope():
-            return step_lib.tick(
-                params, state, template, beat, masks, cfg=local, serve=serve, kernels=kernels,
-                staged=True,
-            )  # fmt: skip
-
     return step_lib.StagedPrograms(
-        admit=program(admit, (ss, ts, P()), ss, donate=(0,)),
-        reseed=program(reseed, (ps, ss, ts, P(), P(), P()), ss, donate=(1,)),
-        restart=program(restart, (ss, ts, P()), ss, donate=(0,)),
-        swap=program(swap, (ss, ts, P(), llm), ss, donate=(0,)),
-        lane=program(lane, (ps, ts, P(), P(), P()), lane_specs),
-        tick=program(tick, (ps, ss, ts, P(DATA), P(DATA)), (ss, P(DATA)), donate=(1,)),
+        admit=_program(admit, mesh, (ss, ts, P()), ss, donate=(0,)),
+        reseed=_program(reseed, mesh, (ps, ss, ts, P(), P(), P()), ss, donate=(1,)),
+        restart=_program(restart, mesh, (ss, ts, P()), ss, donate=(0,)),
+        swap=_program(swap, mesh, (ss, ts, P(), llm), ss, donate=(0,)),
+        lane=_program(lane, mesh, (ps, ts, P(), P(), P()), lane_specs),
+        tick=_tick_program(cfg, serve, mesh, kernels, staged=True),
     )
 
 
