@@ -725,20 +725,10 @@ class CallEvents:
         if self._response is None:
             events += self._open_response()
         resp = self._response
-        resp.wait = None
         resp.message = turn
-        turn.output_index = len(resp.items)
-        item = self._message(turn, "in_progress")
-        resp.items.append(item)
         return [
             *events,
-            {
-                "type": str(ServerEvent.OUTPUT_ITEM_ADDED),
-                "response_id": resp.id,
-                "output_index": turn.output_index,
-                "item": item,
-            },
-            *self._item_added(item),
+            *self._add_output(resp, turn, self._message(turn, "in_progress")),
             {
                 "type": str(ServerEvent.CONTENT_PART_ADDED),
                 "response_id": resp.id,
@@ -791,21 +781,22 @@ class CallEvents:
     def _open_call(self, call: _Turn) -> list[dict]:
         events = self._open_response() if self._response is None else []
         resp = self._response
-        resp.wait = None
         resp.call = call
-        call.output_index = len(resp.items)
-        item = self._function_call(call, "in_progress")
+        return [*events, *self._add_output(resp, call, self._function_call(call, "in_progress"))]
+
+    def _add_output(self, resp: _Response, turn: _Turn, item: dict) -> list[dict]:
+        """``item`` (``turn``'s) the response's next output, the response no longer waiting:
+        its ``response.output_item.added`` and ``conversation.item.added``."""
+        resp.wait = None
+        turn.output_index = len(resp.items)
         resp.items.append(item)
-        return [
-            *events,
-            {
-                "type": str(ServerEvent.OUTPUT_ITEM_ADDED),
-                "response_id": resp.id,
-                "output_index": call.output_index,
-                "item": item,
-            },
-            *self._item_added(item),
-        ]
+        added = {
+            "type": str(ServerEvent.OUTPUT_ITEM_ADDED),
+            "response_id": resp.id,
+            "output_index": turn.output_index,
+            "item": item,
+        }
+        return [added, *self._item_added(item)]
 
     def _close_call(self, status: str) -> list[dict]:
         call, self._call = self._call, None
