@@ -31,6 +31,7 @@ from voicechat_jax import config as config_lib
 from voicechat_jax.engine import byte_floor_ms, template_fn
 from voicechat_jax.model import voicechat
 from voicechat_jax.precision import policy
+from voicechat_jax.serving import metrics as metrics_lib
 from voicechat_jax.serving import runner
 
 FLAGS = flags.FLAGS
@@ -83,18 +84,6 @@ def row_of(
     }
 
 
-def _stats(ms: list[float]) -> dict | None:
-    if not ms:
-        return None
-    a = np.asarray(ms)
-    return {
-        "n": int(a.size),
-        "p50": float(np.percentile(a, 50)),
-        "p99": float(np.percentile(a, 99)),
-        "max": float(a.max()),
-    }
-
-
 def rollover_window(metrics_path: str, before: int = 50) -> dict:
     """What a roll-over costs its beat (issue 30's "a beat with a roll-over runs at most 3 ms over
     a plain beat at the same fill"), from the run's ``metrics.jsonl``.
@@ -103,8 +92,9 @@ def rollover_window(metrics_path: str, before: int = 50) -> dict:
     prefilled after tick k-1 and swapped in before tick k, so both programs' device work lies
     between the two ticks and shows in beat k. The roll-over beats are the steady ticks with at
     least one such event; the plain beats at the same fill are the ``before`` steady ticks just
-    before the first roll-over (every cache then near the cap). Each side's beat latency and
-    device stage (ms): n, p50, p99, max."""
+    before the first roll-over (every cache then near the cap). Each side's beats (``n``), and
+    their latency and device stage in ms as the serving summary gives them
+    (``metrics.percentiles``)."""
     ticks, rolled = {}, set()
     with open(metrics_path) as f:
         for line in f:
@@ -120,13 +110,17 @@ def rollover_window(metrics_path: str, before: int = 50) -> dict:
     plain = [k for k in ticks if first - before <= k < first]
 
     def side(ks):
-        lat = [1e3 * ticks[k]["latency"] for k in ks]
-        dev = [1e3 * ticks[k]["stages"]["device"] for k in ks if ticks[k].get("stages")]
-        return {"latency_ms": _stats(lat), "device_ms": _stats(dev)}
+        lat = np.array([ticks[k]["latency"] for k in ks], np.float64)
+        dev = [ticks[k]["stages"]["device"] for k in ks if ticks[k].get("stages")]
+        return {
+            "n": len(ks),
+            "latency_ms": metrics_lib.percentiles(lat),
+            "device_ms": metrics_lib.percentiles(np.array(dev, np.float64)),
+        }
 
     out = {"rollover_beats": side(sorted(rolled)), "plain_beats_before": side(plain)}
     r, p = out["rollover_beats"]["latency_ms"], out["plain_beats_before"]["latency_ms"]
-    if p is not None:
+    if plain:
         out["rollover_extra_ms"] = {q: r[q] - p[q] for q in ("p50", "p99", "max")}
     return out
 

@@ -127,8 +127,9 @@ class TickRecord:
         return {"type": "tick", **dataclasses.asdict(self)}
 
 
-def _percentiles(values: np.ndarray) -> dict[str, float | None]:
-    """Stats in ms over ticks: p50, p99, p99.9 (numpy linear interpolation), max, mean."""
+def percentiles(values: np.ndarray) -> dict[str, float | None]:
+    """Stats in ms of durations in seconds (NaN left out): p50, p99, p99.9 (numpy linear
+    interpolation), max, mean; every one None when no value is left."""
     values = values[~np.isnan(values)]
     if values.size == 0:
         return {name: None for name in (*QUANTILES, "max", "mean")}
@@ -512,7 +513,7 @@ class MetricsRecorder:
                 [self._folded["max_missed"], *(m for _, m, _ in figures.values())]
             )
             out["host_stages_ms"] = {
-                s: _percentiles(self._ring.column(1 + i)) for i, s in enumerate(STAGES)
+                s: percentiles(self._ring.column(1 + i)) for i, s in enumerate(STAGES)
             }
             out["gc"] = {
                 "policy": list(self.gc_counts["policy"]),
@@ -541,7 +542,7 @@ class MetricsRecorder:
             "ticks": c.ticks,
             "ticks_skipped": c.skipped,
             "session_beats": c.session_beats,
-            "latency_ms": _percentiles(np.asarray(latencies, np.float64)),
+            "latency_ms": percentiles(np.asarray(latencies, np.float64)),
             "latency_sum_s": c.latency_sum,
             "missed_ticks": c.missed,
             "missed_session_beats": c.missed_beats,
