@@ -201,6 +201,53 @@ def test_served_frames_equal_the_model_alone(engine, params):
     np.testing.assert_allclose(served["wav"], np.concatenate(wav), rtol=0, atol=1e-5)
 
 
+def _sliced_weights(params, template) -> set[str]:
+    """The params (by path) that one ``voicechat.advance`` frame slices or indexes into, through
+    every nested jaxpr (a sub-jaxpr's inputs are the last of its equation's)."""
+    step = functools.partial(voicechat.advance, cfg=CFG, precision=PREC, deterministic=False)
+    audio, key = jnp.zeros((1, BEAT), jnp.float32), jax.random.key_data(jax.random.key(0))[None]
+    jaxpr = jax.make_jaxpr(step)(params, template, audio, key).jaxpr
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    cut = {"slice", "dynamic_slice", "gather", "squeeze"}
+    found: set[str] = set()
+
+    def walk(jaxpr, leaf: dict) -> None:
+        def of(v):  # the param a variable is, if any (literals are none)
+            return None if hasattr(v, "val") else leaf.get(v)
+
+        for e in jaxpr.eqns:
+            if e.primitive.name in cut:
+                found.update(p for v in e.invars if (p := of(v)) is not None)
+            for sub in jax.tree_util.tree_leaves(e.params, is_leaf=lambda x: hasattr(x, "eqns")):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    outer = e.invars[len(e.invars) - len(sub.invars) :]
+                    pairs = zip(sub.invars, outer, strict=True)
+                    walk(sub, {i: of(o) for i, o in pairs if of(o) is not None})
+
+    walk(jaxpr, dict(zip(jaxpr.invars[: len(paths)], paths, strict=True)))
+    return found
+
+
+def test_served_products_are_one_leaf_per_layer(engine, params):
+    """The engine serves the LLM's and the speech decoder backbone's products one leaf per layer
+    (``voicechat.serving_layout``): a frame takes no slice of them, where the stored layout takes
+    one per layer (each a copy before its product on a GPU). The frames stay the model's
+    (``test_served_frames_equal_the_model_alone``)."""
+    products = {".in_proj", ".out_proj", ".up", ".down", ".q", ".k", ".v", ".o", ".gate"}
+    template = voicechat.initial_state(params, cfg=CFG, precision=PREC, max_len=64)
+
+    def streamed(paths):
+        ours = (p for p in paths if ".llm." in p or ".backbone." in p)
+        return {p for p in ours if p.endswith(tuple(products))}
+
+    stored = streamed(_sliced_weights(params, template))
+    assert {".llm.mamba.in_proj", ".llm.mlp.down", ".tts.backbone.gate"} <= stored
+    assert streamed(_sliced_weights(engine.params, template)) == set()
+    up = engine.params.llm.mlp.up
+    chex.assert_trees_all_equal(up, tuple(params.llm.mlp.up[i] for i in range(len(up))))
+
+
 @pytest.mark.parametrize("how", ["inactive", "held"])
 def test_inactive_and_held_slots_are_bit_identical(engine, params, how):
     """A tick leaves every leaf of an inactive slot, or of a live slot the host holds (``run``

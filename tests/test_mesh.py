@@ -421,18 +421,19 @@ def test_llm_weights_sharded_megatron_style(tp, layout):
     local = llm_shard.shard_config(llm, m)
     L_m, L_f, L_a = (len(llm.layers_of(c)) for c in "M-*")
     D, NH = llm.d_model, llm.d_inner
-    column, row, head = [None, None, "model"], [None, "model", None], [None, "model"]
+    # The products are served one leaf per layer (voicechat.serving_layout): a 2-D spec each.
+    column, row, head = [None, "model"], ["model", None], [None, "model"]
     assert r["params"] == {
-        "in_proj": {"spec": column, "shard": [L_m, D, local.in_proj_dim]},
-        "conv_w": {"spec": column, "shard": [L_m, llm.conv_kernel, local.conv_dim]},
+        "in_proj": {"layers": L_m, "spec": column, "shard": [D, local.in_proj_dim]},
+        "conv_w": {"spec": [None, None, "model"], "shard": [L_m, llm.conv_kernel, local.conv_dim]},
         "A_log": {"spec": head, "shard": [L_m, llm.mamba_heads // m]},
         "gate_norm": {"spec": head, "shard": [L_m, NH // m]},
-        "out_proj": {"spec": row, "shard": [L_m, NH // m, D]},
-        "q": {"spec": column, "shard": [L_a, D, llm.n_heads * llm.head_dim // m]},
-        "k": {"spec": column, "shard": [L_a, D, local.n_kv_heads * llm.head_dim]},
-        "o": {"spec": row, "shard": [L_a, llm.n_heads * llm.head_dim // m, D]},
-        "up": {"spec": column, "shard": [L_f, D, llm.mlp_dim // m]},
-        "down": {"spec": row, "shard": [L_f, llm.mlp_dim // m, D]},
+        "out_proj": {"layers": L_m, "spec": row, "shard": [NH // m, D]},
+        "q": {"layers": L_a, "spec": column, "shard": [D, llm.n_heads * llm.head_dim // m]},
+        "k": {"layers": L_a, "spec": column, "shard": [D, local.n_kv_heads * llm.head_dim]},
+        "o": {"layers": L_a, "spec": row, "shard": [llm.n_heads * llm.head_dim // m, D]},
+        "up": {"layers": L_f, "spec": column, "shard": [D, llm.mlp_dim // m]},
+        "down": {"layers": L_f, "spec": row, "shard": [llm.mlp_dim // m, D]},
         "embed": {"spec": [], "shard": [llm.vocab_size, D]},
         "lm_head": {"spec": [], "shard": [D, llm.vocab_size]},
         "norm_f": {"spec": [], "shard": [D]},
@@ -507,7 +508,7 @@ def test_one_device_and_data_meshes_are_unchanged():
     assert llm_shard.shard_config(cfg.llm, 1) is cfg.llm
     assert mesh_lib.make_mesh(1).axis_names == (mesh_lib.DATA,)
     assert mesh_lib.make_mesh(1, model_parallel=1).axis_names == (mesh_lib.DATA, mesh_lib.MODEL)
-    assert mesh_lib.param_specs(data) == mesh_lib.P()
+    assert mesh_lib.param_specs(cfg, data) == mesh_lib.P()
 
 
 def test_all_reduce_groups_reads_listed_and_iota_groups():

@@ -127,6 +127,14 @@ def _spec(x) -> list:
     return [None if a is None else a for a in tuple(x.sharding.spec)]
 
 
+def _weight_placement(x, shard_shape) -> dict:
+    """A weight's spec and shard shape; a weight served one leaf per layer
+    (``voicechat.serving_layout``) gives its first layer's, and how many layers it has."""
+    if isinstance(x, tuple):
+        return {"layers": len(x), **_weight_placement(x[0], shard_shape)}
+    return {"spec": _spec(x), "shard": shard_shape(x)}
+
+
 def _llm_placement(engine: Engine, mesh) -> dict:
     """Specs and per-device shard shapes of the LLM's state and params, and the rest's specs."""
     llm = engine.state.model.llm
@@ -167,7 +175,7 @@ def _llm_placement(engine: Engine, mesh) -> dict:
         ),
         "state_leaves_llm": len(jax.tree_util.tree_leaves(llm)),
         "other_state_specs": sorted({str(_spec(x)) for x in jax.tree_util.tree_leaves(others)}),
-        "params": {n: {"spec": _spec(x), "shard": shard_shape(x)} for n, x in weights.items()},
+        "params": {n: _weight_placement(x, shard_shape) for n, x in weights.items()},
         "other_params_specs": sorted(
             {str(_spec(x)) for x in jax.tree_util.tree_leaves(non_llm_params)}
         ),

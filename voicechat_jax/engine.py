@@ -236,6 +236,9 @@ class Engine:
         """Builds the template (unless given), checks the memory plan, allocates the state.
 
         Args:
+          params: the model's params in either layout; the engine keeps them in the serving
+            layout (``voicechat.serving_layout``, the stored one split one leaf per layer), so
+            a caller that drops its own reference frees the stacked copy.
           template: a fresh-session state already built for this ``cfg`` and ``serve``
             (several engines of one process can share it); default: built here.
           memory_limit_bytes: the memory budget to plan against, instead of the device's own limit.
@@ -283,13 +286,14 @@ class Engine:
         logging.info("kernels: %s", self.kernels.row())
         if mesh is not None:
             params = mesh_lib.put_replicated(params, mesh)
-        self.params = params
+        # Served one leaf per layer (on a mesh: placed below, from the stored layout).
+        self.params = params if mesh is not None else voicechat.serving_layout(params)
         self.cfg = cfg
         self.serve = serve
         self.precision = serve.precision  # the policy lives in ``serve``; kept here to read
         t = time.perf_counter()
         if template is None:
-            template = build_template(params, cfg, serve)
+            template = build_template(self.params, cfg, serve)
         if mesh is not None:
             # On a (data, model) mesh the LLM's weights and template state split over ``model``.
             template = mesh_lib.put_template(template, cfg, mesh)

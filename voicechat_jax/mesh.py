@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import Kernels, ModelConfig, ServeConfig
-from voicechat_jax.model import llm_shard, nano_tp, voicechat
+from voicechat_jax.model import llm_shard, nano, nano_tp, voicechat
 
 DATA = "data"  # the mesh axis the slots are split over
 MODEL = "model"  # the mesh axis the LLM's heads are split over (tensor parallelism)
@@ -177,14 +177,14 @@ def _named(specs, mesh: Mesh):
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
-def param_specs(mesh: Mesh | AbstractMesh):
-    """A ``ModelParams`` prefix of ``PartitionSpec``: all replicated, but the LLM's split over
-    ``model`` (``nano_tp.partition_specs``, tensor-parallel layout) when the mesh has that axis."""
+def param_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh):
+    """A ``ModelParams`` prefix of ``PartitionSpec`` for the serving layout
+    (``voicechat.serving_layout``): all replicated, but the LLM's split over ``model``
+    (``nano_tp.partition_specs``, tensor-parallel layout) when the mesh has that axis."""
     if model_parallel(mesh) == 1:
         return P()
-    return voicechat.ModelParams(
-        encoder=P(), llm=nano_tp.partition_specs(MODEL), rnnt=P(), tts=P(), codec=P()
-    )
+    llm = nano.per_layer_specs(nano_tp.partition_specs(MODEL), cfg.llm)
+    return voicechat.ModelParams(encoder=P(), llm=llm, rnnt=P(), tts=P(), codec=P())
 
 
 def _frame_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh, batch: str | None):
@@ -212,20 +212,21 @@ def template_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh):
 
 
 def put_params(params: voicechat.ModelParams, cfg: ModelConfig, mesh: Mesh):
-    """The params placed for ``mesh``: replicated, the LLM's in the tensor-parallel layout
-    (``nano_tp.to_tensor_parallel``) and split over ``model`` when the mesh has that axis.
+    """The params placed for ``mesh`` in the serving layout (``voicechat.serving_layout``):
+    replicated, the LLM's in the tensor-parallel layout (``nano_tp.to_tensor_parallel``) and split
+    over ``model`` when the mesh has that axis.
 
-    The one-device layout goes in (as restored or built); only the LLM's leaves are rebuilt.
+    The one-device stored layout goes in (as restored or built); only the LLM's leaves are rebuilt.
     """
     params = put_replicated(params, mesh)
     m = model_parallel(mesh)
-    if m == 1:
-        return params
-    specs = _named(nano_tp.partition_specs(MODEL), mesh)
-    to_tp = jax.jit(
-        functools.partial(nano_tp.to_tensor_parallel, cfg=cfg.llm, m=m), out_shardings=specs
-    )
-    return params.replace(llm=to_tp(params.llm))
+    if m > 1:
+        specs = _named(nano_tp.partition_specs(MODEL), mesh)
+        to_tp = jax.jit(
+            functools.partial(nano_tp.to_tensor_parallel, cfg=cfg.llm, m=m), out_shardings=specs
+        )
+        params = params.replace(llm=to_tp(params.llm))
+    return jax.device_put(voicechat.serving_layout(params), _named(param_specs(cfg, mesh), mesh))
 
 
 def put_template(template: voicechat.FrameState, cfg: ModelConfig, mesh: Mesh):
@@ -322,7 +323,7 @@ def _tick_program(
             )  # fmt: skip
 
     ss = state_specs(cfg, mesh)
-    in_specs = (param_specs(mesh), ss, template_specs(cfg, mesh), P(DATA), P(DATA))
+    in_specs = (param_specs(cfg, mesh), ss, template_specs(cfg, mesh), P(DATA), P(DATA))
     return _program(tick, mesh, in_specs, (ss, P(DATA)), donate=(1,))
 
 
@@ -350,7 +351,7 @@ def make_staged(
     per = check_slots(serve.slots, mesh)
     local = local_config(cfg, serve, mesh)
     precision = serve.precision
-    ps, ss, ts = param_specs(mesh), state_specs(cfg, mesh), template_specs(cfg, mesh)
+    ps, ss, ts = param_specs(cfg, mesh), state_specs(cfg, mesh), template_specs(cfg, mesh)
     llm = P() if model_parallel(mesh) == 1 else ts.llm  # a lane's LLM state, as the template's
     lane_specs = step_lib.CapsuleLane(llm=llm, slot=P(), ids=P(), n=P())
 

@@ -34,6 +34,7 @@ import numpy as np
 from flax import struct
 
 from voicechat_jax.config import SpeechDecoderConfig
+from voicechat_jax.model import common
 from voicechat_jax.model.attention import attend, gqa
 from voicechat_jax.model.common import fan_in_normal, normal, rms_norm
 from voicechat_jax.precision import Precision
@@ -44,7 +45,8 @@ _NO_WINDOW = np.iinfo(np.int32).max
 
 @struct.dataclass
 class GemmaParams:
-    """``Gemma3TextModel`` without ``embed_tokens``; per-layer weights stacked on ``L``."""
+    """``Gemma3TextModel`` without ``embed_tokens``; per-layer weights stacked on ``L`` (the
+    products a tuple of L layers in the serving layout, ``per_layer``)."""
 
     input_norm: jax.Array  # [L, D]  input_layernorm
     q: jax.Array  # [L, D, N*H]  self_attn.q_proj, transposed
@@ -77,6 +79,14 @@ _LAYER_FIELDS = (
     "down",
     "post_ff_norm",
 )
+
+# The products a step streams: one leaf per layer in the serving layout.
+_PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def per_layer(params: GemmaParams) -> GemmaParams:
+    """The serving layout (``common.per_layer``): the seven products one leaf per layer."""
+    return common.per_layer(params, _PRODUCTS)
 
 
 @struct.dataclass

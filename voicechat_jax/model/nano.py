@@ -56,6 +56,7 @@ from flax import struct
 from pallas_kernels.mamba_step import mamba_step
 from pallas_kernels.ssm_step import ssm_step, ssm_step_reference
 from voicechat_jax.config import LLMConfig
+from voicechat_jax.model import common
 from voicechat_jax.model.attention import attend, gqa
 from voicechat_jax.model.common import dense, fan_in_normal, normal, rms_norm
 from voicechat_jax.model.llm_shard import LLMShard, all_reduce, group_mean_sq
@@ -69,11 +70,15 @@ _SSM_PRECISION = jax.lax.Precision.HIGHEST
 DEFAULT_CHUNK = 64  # SSD chunk length of ``prefill`` (any value gives the same result)
 SSM_KERNELS = ("xla", "pallas", "fused")  # implementations of ``step``'s Mamba update
 PROJECTIONS = ("xla", "pallas")  # implementations of ``step``'s MLP and Mamba projections
+# The products a decode step streams: one leaf per layer in the serving layout (``per_layer``).
+_STREAMED = {"mamba": ("in_proj", "out_proj"), "mlp": ("up", "down"), "attn": ("q", "k", "v", "o")}
+_KIND = {"mamba": "M", "mlp": "-", "attn": "*"}
 
 
 @struct.dataclass
 class MambaParams:
-    """The Mamba-2 layers ('M'), stacked on L in pattern order."""
+    """The Mamba-2 layers ('M'), stacked on L in pattern order (``in_proj`` and ``out_proj`` a
+    tuple of L layers in the serving layout, ``per_layer``)."""
 
     norm: jax.Array  # [L, D] block RMSNorm
     in_proj: jax.Array  # [L, D, N*H + C + N]: [z | xBC | dt]
@@ -88,7 +93,8 @@ class MambaParams:
 
 @struct.dataclass
 class MLPParams:
-    """The relu² MLP layers ('-'), stacked on L in pattern order."""
+    """The relu² MLP layers ('-'), stacked on L in pattern order (``up`` and ``down`` a tuple of
+    L layers in the serving layout, ``per_layer``)."""
 
     norm: jax.Array  # [L, D] block RMSNorm
     up: jax.Array  # [L, D, F]
@@ -97,7 +103,8 @@ class MLPParams:
 
 @struct.dataclass
 class AttnParams:
-    """The NoPE GQA attention layers ('*'), stacked on L in pattern order."""
+    """The NoPE GQA attention layers ('*'), stacked on L in pattern order (the four products a
+    tuple of L layers in the serving layout, ``per_layer``)."""
 
     norm: jax.Array  # [L, D] block RMSNorm
     q: jax.Array  # [L, D, N*H]
@@ -117,6 +124,25 @@ class NanoParams:
     mamba: MambaParams
     mlp: MLPParams
     attn: AttnParams
+
+
+def per_layer(params: NanoParams) -> NanoParams:
+    """The serving layout (``common.per_layer``): the Mamba, MLP and attention products one leaf
+    per layer, so that no step copies a layer's weight out of its stack."""
+    return params.replace(
+        **{g: common.per_layer(getattr(params, g), f) for g, f in _STREAMED.items()}
+    )
+
+
+def per_layer_specs(specs: NanoParams, cfg: LLMConfig) -> NanoParams:
+    """The ``PartitionSpec`` tree of ``per_layer(params)`` from that of the stacked params
+    (``nano_tp.partition_specs``)."""
+    return specs.replace(
+        **{
+            g: common.per_layer_specs(getattr(specs, g), f, len(cfg.layers_of(_KIND[g])))
+            for g, f in _STREAMED.items()
+        }
+    )
 
 
 @struct.dataclass

@@ -25,7 +25,7 @@ from voicechat_jax.model.common import dense
 
 def matmul(
     x: jax.Array,
-    w: jax.Array,
+    w: jax.Array | tuple[jax.Array, ...],
     *,
     layer: int | None = None,
     impl: ProjectionImpl | str = ProjectionImpl.XLA,
@@ -35,7 +35,8 @@ def matmul(
 
     Args:
       x: [..., D] activations.
-      w: [L, D, F] stacked weights with a static ``layer``, or [D, F].
+      w: [L, D, F] stacked weights with a static ``layer``, a tuple of L [D, F] (the serving
+        layout, ``common.per_layer``) with a static ``layer``, or [D, F].
       layer: static index into w's L axis, or None.
       impl: 'xla' | 'pallas' (static).
       blocks: the kernel's tiling ('pallas' only); default ``matmul.default_blocks``.
@@ -47,6 +48,8 @@ def matmul(
       ValueError: on an unknown ``impl`` (and, from the kernel, inconsistent shapes).
     """
     impl = ProjectionImpl(impl)
+    if isinstance(w, tuple):  # the serving layout (``common.per_layer``): the layer's own leaf
+        w, layer = w[layer], None
     if impl == ProjectionImpl.PALLAS:
         return matmul_kernel(
             x, w, layer=layer, interpret=jax.default_backend() == "cpu", blocks=blocks

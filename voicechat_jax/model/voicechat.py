@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from voicechat_jax.config import PAD_ID, XLA_KERNELS, Kernels, ModelConfig
-from voicechat_jax.model import codec, conformer, ear_tts, nano, rnnt
+from voicechat_jax.model import codec, conformer, ear_tts, gemma, nano, rnnt
 from voicechat_jax.precision import Precision
 
 # The speech decoder's steps over system-prompt positions are shared by every session (they are in
@@ -84,6 +84,18 @@ def abstract(cfg: ModelConfig, precision: Precision, *, text_table: bool = True)
     """
     tree = jax.eval_shape(lambda: init(jax.random.key(0), cfg, precision))
     return tree if text_table else tree.replace(tts=tree.tts.replace(text_table=None))
+
+
+def serving_layout(params: ModelParams) -> ModelParams:
+    """The params as the engine serves them: the LLM's and the speech decoder backbone's products
+    one leaf per layer (``nano.per_layer``, ``gemma.per_layer``), the rest as stored.
+
+    Every function of the model takes either layout and gives the same bits; the stored layout
+    (stacked on L) is what checkpoints, the converter and the key table use. On a GPU the serving
+    layout saves the copy of each layer's weight out of its stack before its product.
+    """
+    tts = params.tts.replace(backbone=gemma.per_layer(params.tts.backbone))
+    return params.replace(llm=nano.per_layer(params.llm), tts=tts)
 
 
 @struct.dataclass
