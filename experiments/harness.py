@@ -179,7 +179,8 @@ def speech(n: int, seed: int):
 
 def random_params(cfg, precision, name: str = "model"):
     """Random weights of ``cfg`` in ``precision``, initialised by one jitted program (op by op the
-    11B init took ~45 s on an H200), on the device."""
+    11B init took ~45 s on an H200), on the device, in the layout the engine serves
+    (``voicechat.serving_layout``: an engine built from them holds no second copy)."""
     import time
 
     import jax
@@ -188,7 +189,7 @@ def random_params(cfg, precision, name: str = "model"):
     from voicechat_jax.model import voicechat
 
     t = time.perf_counter()
-    params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
+    params = voicechat.init_compiled(jax.random.key(0), cfg, precision, serving=True)
     jax.block_until_ready(params)
     logging.info("random %s params in %.1f s", name, time.perf_counter() - t)
     return params

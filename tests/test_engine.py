@@ -246,6 +246,9 @@ def test_served_products_are_one_leaf_per_layer(engine, params):
     assert streamed(_sliced_weights(engine.params, template)) == set()
     up = engine.params.llm.mlp.up
     chex.assert_trees_all_equal(up, tuple(params.llm.mlp.up[i] for i in range(len(up))))
+    # Already in the serving layout: kept as it is (an engine built from such params holds them,
+    # not a second copy).
+    assert voicechat.serving_layout(engine.params).llm.mlp.up is up
 
 
 @pytest.mark.parametrize("how", ["inactive", "held"])

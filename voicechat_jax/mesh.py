@@ -216,17 +216,18 @@ def put_params(params: voicechat.ModelParams, cfg: ModelConfig, mesh: Mesh):
     replicated, the LLM's in the tensor-parallel layout (``nano_tp.to_tensor_parallel``) and split
     over ``model`` when the mesh has that axis.
 
-    The one-device stored layout goes in (as restored or built); only the LLM's leaves are rebuilt.
+    The one-device params go in, in either layout (as restored or built); only the LLM's leaves
+    are rebuilt.
     """
-    params = put_replicated(params, mesh)
+    params = put_replicated(voicechat.serving_layout(params), mesh)
     m = model_parallel(mesh)
-    if m > 1:
-        specs = _named(nano_tp.partition_specs(MODEL), mesh)
-        to_tp = jax.jit(
-            functools.partial(nano_tp.to_tensor_parallel, cfg=cfg.llm, m=m), out_shardings=specs
-        )
-        params = params.replace(llm=to_tp(params.llm))
-    return jax.device_put(voicechat.serving_layout(params), _named(param_specs(cfg, mesh), mesh))
+    if m == 1:
+        return params
+    specs = _named(param_specs(cfg, mesh).llm, mesh)
+    to_tp = jax.jit(
+        functools.partial(nano_tp.to_tensor_parallel, cfg=cfg.llm, m=m), out_shardings=specs
+    )
+    return params.replace(llm=to_tp(params.llm))
 
 
 def put_template(template: voicechat.FrameState, cfg: ModelConfig, mesh: Mesh):

@@ -195,7 +195,7 @@ def main(argv):
         **serve_kwargs,
     )
     t = time.perf_counter()
-    params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
+    params = voicechat.init_compiled(jax.random.key(0), cfg, precision, serving=True)
     jax.block_until_ready(params)
     engine = Engine(params, cfg, serve)
     logging.info("engine built in %.1f s", time.perf_counter() - t)

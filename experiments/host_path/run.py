@@ -40,7 +40,7 @@ def main(argv):
     rows = harness.RowLog(FLAGS.out)
     precision = Precision.fp32()
     cfg = tiny()
-    params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
+    params = voicechat.init_compiled(jax.random.key(0), cfg, precision, serving=True)
     rng = np.random.default_rng(0)
     for n in (int(x) for x in FLAGS.sessions):
         serve = ServeConfig(slots=n, context_frames=FLAGS.context_frames, precision=precision,

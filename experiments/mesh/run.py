@@ -306,7 +306,7 @@ def main(argv):
     cfg = config_lib.PRESETS[FLAGS.model]()
     precision = Precision.fp32() if FLAGS.precision == "fp32" else Precision.reference()
     t = time.perf_counter()
-    params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
+    params = voicechat.init_compiled(jax.random.key(0), cfg, precision, serving=True)
     jax.block_until_ready(params)
     logging.info("random %s params in %.1f s", FLAGS.model, time.perf_counter() - t)
     log, template, reference = harness.RowLog(FLAGS.out), None, {}

@@ -118,7 +118,7 @@ def main(argv) -> None:
     del argv
     cfg = config_lib.PRESETS[FLAGS.model]()
     precision = Precision.fp32() if FLAGS.precision == "fp32" else Precision.reference()
-    params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
+    params = voicechat.init_compiled(jax.random.key(0), cfg, precision, serving=True)
     lens = [FLAGS.capsule_tokens if x == "full" else int(x) for x in FLAGS.capsule_lens]
     log = harness.RowLog(FLAGS.out)
     for s in FLAGS.sessions:

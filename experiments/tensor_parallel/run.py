@@ -159,7 +159,7 @@ def main(argv):
     precision = Precision.fp32() if FLAGS.precision == "fp32" else Precision.reference()
     n = FLAGS.devices
     t = time.perf_counter()
-    params = voicechat.init_compiled(jax.random.key(0), cfg, precision)
+    params = voicechat.init_compiled(jax.random.key(0), cfg, precision, serving=True)
     base_serve = config_lib.ServeConfig(
         slots=1, frames_per_tick=2, context_frames=FLAGS.context_frames, precision=precision
     )

@@ -428,7 +428,9 @@ def main(argv):
         rows = Rows(out_dir / "rows.jsonl", provenance)
         cfg = config_lib.PRESETS[FLAGS.model]()
         t = time.perf_counter()
-        params = voicechat.init_compiled(jax.random.key(0), cfg, precision_lib.policy(FLAGS.policy))
+        params = voicechat.init_compiled(
+            jax.random.key(0), cfg, precision_lib.policy(FLAGS.policy), serving=True
+        )
         jax.block_until_ready(params)
         logging.info("random %s params in %.1f s", FLAGS.model, time.perf_counter() - t)
         template, threads = None, []

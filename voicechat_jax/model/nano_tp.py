@@ -5,6 +5,7 @@ give each device its block."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -52,7 +53,8 @@ def _kv_columns(kv_heads: np.ndarray, head_dim: int) -> np.ndarray:
 
 
 def to_tensor_parallel(params: NanoParams, cfg: LLMConfig, m: int) -> NanoParams:
-    """The params in the tensor-parallel layout of an ``m``-way model axis (same for m = 1).
+    """The params in the tensor-parallel layout of an ``m``-way model axis (same for m = 1), in
+    either the stored or the serving layout (``voicechat.serving_layout``).
 
     Only ``in_proj``, ``conv_w``, ``conv_b``, ``k`` and ``v`` are rearranged (and grow where a
     group or KV head is replicated); every other leaf's share is already a contiguous block.
@@ -61,14 +63,16 @@ def to_tensor_parallel(params: NanoParams, cfg: LLMConfig, m: int) -> NanoParams
         return params
     idx = tensor_parallel_index(cfg, m)
     kv = _kv_columns(idx["kv"], cfg.head_dim)
+
+    def take(w, columns):  # the last axis, one array or one per layer (the serving layout)
+        return jax.tree_util.tree_map(lambda x: jnp.take(x, columns, axis=-1), w)
+
     mamba = params.mamba.replace(
-        in_proj=jnp.take(params.mamba.in_proj, idx["in_proj"], axis=2),
-        conv_w=jnp.take(params.mamba.conv_w, idx["conv"], axis=2),
-        conv_b=jnp.take(params.mamba.conv_b, idx["conv"], axis=1),
+        in_proj=take(params.mamba.in_proj, idx["in_proj"]),
+        conv_w=take(params.mamba.conv_w, idx["conv"]),
+        conv_b=take(params.mamba.conv_b, idx["conv"]),
     )
-    attn = params.attn.replace(
-        k=jnp.take(params.attn.k, kv, axis=2), v=jnp.take(params.attn.v, kv, axis=2)
-    )
+    attn = params.attn.replace(k=take(params.attn.k, kv), v=take(params.attn.v, kv))
     return params.replace(mamba=mamba, attn=attn)
 
 

@@ -52,26 +52,53 @@ def init(key: jax.Array, cfg: ModelConfig, precision: Precision) -> ModelParams:
     )
 
 
-# Each sub-network's ``init`` as one program (its config and precision static).
-_COMPILED_INITS = tuple(
-    jax.jit(f, static_argnums=(1, 2))
-    for f in (conformer.init, nano.init, rnnt.init, ear_tts.init, codec.init)
-)
+def _tts_serving(params: ear_tts.TTSParams) -> ear_tts.TTSParams:
+    return params.replace(backbone=gemma.per_layer(params.backbone))
 
 
-def init_compiled(key: jax.Array, cfg: ModelConfig, precision: Precision) -> ModelParams:
+def _nano_init_serving(key, cfg, precision):
+    return nano.per_layer(nano.init(key, cfg, precision))
+
+
+def _tts_init_serving(key, cfg, precision):
+    return _tts_serving(ear_tts.init(key, cfg, precision))
+
+
+# Each sub-network's ``init`` as one program (its config and precision static), in the stored
+# layout and in the serving layout (``serving_layout``: split inside the program, so that the
+# stacked copy never exists on the device).
+_COMPILED_INITS = {
+    serving: tuple(
+        jax.jit(f, static_argnums=(1, 2))
+        for f in (
+            conformer.init,
+            _nano_init_serving if serving else nano.init,
+            rnnt.init,
+            _tts_init_serving if serving else ear_tts.init,
+            codec.init,
+        )
+    )
+    for serving in (False, True)
+}
+
+
+def init_compiled(
+    key: jax.Array, cfg: ModelConfig, precision: Precision, *, serving: bool = False
+) -> ModelParams:
     """``init`` as one jitted program per sub-network: what the CLI and the benchmarks use.
 
     Op by op, ``init`` compiles every random draw on its own (~30 s for the tiny model on a
     2-core CPU, ~45 s at 11B on an H200). The first compile of these five programs takes about
     as long on the CPU, but JAX's persistent compilation cache keeps them for the next process
     (a cached tiny ``voicechat-serve`` run: 33 s -> 9.4 s). The values equal ``init``'s up to
-    float rounding (XLA fuses the scaling into the draws).
+    float rounding (XLA fuses the scaling into the draws). ``serving``: in the serving layout
+    (``serving_layout``), built so on the device (no stacked copy beside it).
     """
     k = jax.random.split(key, 5)
     sub = (cfg.encoder, cfg.llm, cfg.rnnt, cfg, cfg.codec)
     enc, llm, head, tts, cod = (
-        f(k[i], c, precision) for i, (f, c) in enumerate(zip(_COMPILED_INITS, sub, strict=True))
+        f(k[i], c, precision)
+        for i, (f, c) in enumerate(zip(_COMPILED_INITS[serving], sub, strict=True))
     )
     return ModelParams(encoder=enc, llm=llm, rnnt=head, tts=tts, codec=cod)
 
@@ -94,8 +121,7 @@ def serving_layout(params: ModelParams) -> ModelParams:
     (stacked on L) is what checkpoints, the converter and the key table use. On a GPU the serving
     layout saves the copy of each layer's weight out of its stack before its product.
     """
-    tts = params.tts.replace(backbone=gemma.per_layer(params.tts.backbone))
-    return params.replace(llm=nano.per_layer(params.llm), tts=tts)
+    return params.replace(llm=nano.per_layer(params.llm), tts=_tts_serving(params.tts))
 
 
 @struct.dataclass

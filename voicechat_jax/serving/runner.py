@@ -221,7 +221,8 @@ def check_model_parallel(options: RunOptions) -> None:
 
 def build(options: RunOptions, mesh: Mesh | None = None):
     """The model config, params, serve config and tokenizer of a run (params in the precision
-    policy of ``options.serve.precision``; on ``mesh``, replicated over its devices).
+    policy of ``options.serve.precision`` and the serving layout, ``voicechat.serving_layout``;
+    on ``mesh``, replicated over its devices).
 
     A converted checkpoint that cannot be restored raises ``checkpoint.CheckpointError``.
     """
@@ -236,12 +237,15 @@ def build(options: RunOptions, mesh: Mesh | None = None):
             sharding=sharding,
             manifest_sha256=options.manifest_sha256,
         )
+        # As the engine serves them (``voicechat.serving_layout``); the stacked copy goes here,
+        # before any session state is allocated.
+        params = voicechat.serving_layout(params)
     else:
         if options.model not in config_lib.PRESETS:
             known = sorted(config_lib.PRESETS)
             raise ValueError(f"unknown model preset {options.model!r}: {known}")
         cfg = config_lib.PRESETS[options.model]()
-        params = voicechat.init_compiled(jax.random.key(options.seed), cfg, precision)
+        params = voicechat.init_compiled(jax.random.key(options.seed), cfg, precision, serving=True)
         tokenizer = None
     return cfg, params, options.serve, tokenizer
 
