@@ -230,19 +230,20 @@ def _sliced_weights(params, template) -> set[str]:
 
 
 def test_served_products_are_one_leaf_per_layer(engine, params):
-    """The engine serves the LLM's and the speech decoder backbone's products one leaf per layer
-    (``voicechat.serving_layout``): a frame takes no slice of them, where the stored layout takes
-    one per layer (each a copy before its product on a GPU). The frames stay the model's
+    """The engine serves the products of the LLM, the speech decoder backbone and the MoG trunk
+    one leaf per layer (``voicechat.serving_layout``): a frame takes no slice of them, where the
+    stored layout takes one per layer (each a copy before its product on a GPU). The frames stay
+    the model's
     (``test_served_frames_equal_the_model_alone``)."""
     products = {".in_proj", ".out_proj", ".up", ".down", ".q", ".k", ".v", ".o", ".gate"}
     template = voicechat.initial_state(params, cfg=CFG, precision=PREC, max_len=64)
 
     def streamed(paths):
-        ours = (p for p in paths if ".llm." in p or ".backbone." in p)
+        ours = (p for p in paths if any(f".{x}." in p for x in ("llm", "backbone", "mog")))
         return {p for p in ours if p.endswith(tuple(products))}
 
     stored = streamed(_sliced_weights(params, template))
-    assert {".llm.mamba.in_proj", ".llm.mlp.down", ".tts.backbone.gate"} <= stored
+    assert {".llm.mamba.in_proj", ".llm.mlp.down", ".tts.backbone.gate", ".tts.mog.up"} <= stored
     assert streamed(_sliced_weights(engine.params, template)) == set()
     up = engine.params.llm.mlp.up
     chex.assert_trees_all_equal(up, tuple(params.llm.mlp.up[i] for i in range(len(up))))

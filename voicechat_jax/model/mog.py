@@ -27,13 +27,15 @@ import jax.numpy as jnp
 from flax import struct
 
 from voicechat_jax.config import SpeechDecoderConfig
+from voicechat_jax.model import common
 from voicechat_jax.model.common import dense, fan_in_normal, normal, rms_norm
 from voicechat_jax.precision import Precision
 
 
 @struct.dataclass
 class MoGParams:
-    """``MoGHead`` with ``low_rank`` set (the release's 64)."""
+    """``MoGHead`` with ``low_rank`` set (the release's 64); ``gate``, ``up`` and ``down`` a tuple
+    of L layers in the serving layout (``per_layer``)."""
 
     pre_norm: jax.Array  # [L, D]  mlp_stack.{l}.pre_norm
     gate: jax.Array  # [L, D, F]  mlp_stack.{l}.mlp.gate_proj
@@ -70,17 +72,19 @@ def init(key: jax.Array, cfg: SpeechDecoderConfig, precision: Precision) -> MoGP
 
 
 def trunk(params: MoGParams, x: jax.Array, *, cfg: SpeechDecoderConfig) -> jax.Array:
-    """``MoGHead.mlp_stack``: x [..., D] -> [..., D]."""
-
-    def layer(x, p):
-        pre, gate, up, down, post = p
-        y = rms_norm(x, pre, cfg.norm_eps, offset=1.0)
-        y = dense(jax.nn.gelu(dense(y, gate), approximate=True) * dense(y, up), down)
-        return x + rms_norm(y, post, cfg.norm_eps, offset=1.0), None
-
-    stack = (params.pre_norm, params.gate, params.up, params.down, params.post_norm)
-    x, _ = jax.lax.scan(layer, x, stack)
+    """``MoGHead.mlp_stack``: x [..., D] -> [..., D], its layers unrolled (each reads its own
+    weights: no slice of a stacked one in the serving layout, ``per_layer``)."""
+    for l in range(cfg.mog_mlp_layers):
+        y = rms_norm(x, params.pre_norm[l], cfg.norm_eps, offset=1.0)
+        gate, up = dense(y, params.gate[l]), dense(y, params.up[l])
+        y = dense(jax.nn.gelu(gate, approximate=True) * up, params.down[l])
+        x = x + rms_norm(y, params.post_norm[l], cfg.norm_eps, offset=1.0)
     return rms_norm(x, params.final_norm, cfg.norm_eps, offset=1.0)
+
+
+def per_layer(params: MoGParams) -> MoGParams:
+    """The serving layout (``common.per_layer``): the trunk's three products one leaf per layer."""
+    return common.per_layer(params, ("gate", "up", "down"))
 
 
 def guide(cond: jax.Array, uncond: jax.Array, scale: float) -> jax.Array:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from voicechat_jax.config import PAD_ID, XLA_KERNELS, Kernels, ModelConfig
-from voicechat_jax.model import codec, conformer, ear_tts, gemma, nano, rnnt
+from voicechat_jax.model import codec, conformer, ear_tts, gemma, mog, nano, rnnt
 from voicechat_jax.precision import Precision
 
 # The speech decoder's steps over system-prompt positions are shared by every session (they are in
@@ -53,7 +53,7 @@ def init(key: jax.Array, cfg: ModelConfig, precision: Precision) -> ModelParams:
 
 
 def _tts_serving(params: ear_tts.TTSParams) -> ear_tts.TTSParams:
-    return params.replace(backbone=gemma.per_layer(params.backbone))
+    return params.replace(backbone=gemma.per_layer(params.backbone), mog=mog.per_layer(params.mog))
 
 
 def _nano_init_serving(key, cfg, precision):
@@ -114,8 +114,9 @@ def abstract(cfg: ModelConfig, precision: Precision, *, text_table: bool = True)
 
 
 def serving_layout(params: ModelParams) -> ModelParams:
-    """The params as the engine serves them: the LLM's and the speech decoder backbone's products
-    one leaf per layer (``nano.per_layer``, ``gemma.per_layer``), the rest as stored.
+    """The params as the engine serves them: the products of the LLM, the speech decoder backbone
+    and the MoG trunk one leaf per layer (``nano.per_layer``, ``gemma.per_layer``,
+    ``mog.per_layer``), the rest as stored.
 
     Every function of the model takes either layout and gives the same bits; the stored layout
     (stacked on L) is what checkpoints, the converter and the key table use. On a GPU the serving
