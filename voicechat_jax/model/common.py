@@ -71,4 +71,13 @@ def per_layer_specs(specs, fields: Sequence[str], n_layers: int):
 
 
 def _unstack(x):
-    return x if isinstance(x, tuple) else tuple(x[i] for i in range(x.shape[0]))
+    if isinstance(x, tuple):
+        return x
+    if isinstance(x, jax.Array):
+        return _unstack_program(x)  # one small program per shape, not one per layer index
+    return tuple(x[i] for i in range(x.shape[0]))
+
+
+@jax.jit
+def _unstack_program(x: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(x[i] for i in range(x.shape[0]))
