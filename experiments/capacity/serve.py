@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 
 import jax
@@ -48,6 +49,11 @@ flags.DEFINE_string("ssm_kernel", "auto", "ServeConfig.ssm_kernel.")
 flags.DEFINE_string("attention", "auto", "ServeConfig.attention.")
 flags.DEFINE_string("out", None, "Rows (JSON lines), appended as measured.")
 flags.DEFINE_string("output_dir", None, "Where each run writes its outputs (default: a temp dir).")
+flags.DEFINE_float(
+    "switch_interval_ms",
+    None,
+    "Python's GIL switch interval for the runs (sys.setswitchinterval; default Python's, 5 ms).",
+)
 flags.DEFINE_string("table", None, "Print the README table of these rows (JSON lines) and exit.")
 
 
@@ -76,6 +82,7 @@ def row_of(
         "at_cap": FLAGS.at_cap,
         **harness.latency_fields(s),
         "rollovers": s["events"].get("rollover", 0),
+        "switch_interval_ms": round(sys.getswitchinterval() * 1e3, 3),
         "failed_sessions": result.failed,
         "compile_s": s["compile_s"],
         "floor_ms": floor,
@@ -157,6 +164,10 @@ def main(argv):
         with open(FLAGS.table) as f:
             print(table([json.loads(line) for line in f if line.strip()]))
         return
+    if FLAGS.switch_interval_ms is not None:
+        # The beat thread hands off to the reader and writer threads: each wait for the GIL can
+        # last up to this interval.
+        sys.setswitchinterval(FLAGS.switch_interval_ms / 1e3)
     rows = harness.RowLog(FLAGS.out)
     out_root = FLAGS.output_dir or tempfile.mkdtemp(prefix="capacity_serve_")
     cfg = config_lib.PRESETS[FLAGS.model]()
