@@ -236,6 +236,7 @@ def test_served_products_are_one_leaf_per_layer(engine, params):
     the model's
     (``test_served_frames_equal_the_model_alone``)."""
     products = {".in_proj", ".out_proj", ".up", ".down", ".q", ".k", ".v", ".o", ".gate"}
+    products |= {".qkv", ".gate_up"}
     template = voicechat.initial_state(params, cfg=CFG, precision=PREC, max_len=64)
 
     def streamed(paths):
@@ -247,6 +248,14 @@ def test_served_products_are_one_leaf_per_layer(engine, params):
     assert streamed(_sliced_weights(engine.params, template)) == set()
     up = engine.params.llm.mlp.up
     chex.assert_trees_all_equal(up, tuple(params.llm.mlp.up[i] for i in range(len(up))))
+    # The speech decoder's products that share an input are one per layer, columns in order.
+    backbone = engine.params.tts.backbone
+    assert backbone.q is None
+    assert backbone.gate is None
+    assert engine.params.tts.mog.up is None
+    s = params.tts.backbone
+    qkv = [jnp.concatenate([s.q[i], s.k[i], s.v[i]], -1) for i in range(len(backbone.qkv))]
+    chex.assert_trees_all_equal(backbone.qkv, tuple(qkv))
     # Already in the serving layout: kept as it is (an engine built from such params holds them,
     # not a second copy).
     assert voicechat.serving_layout(engine.params).llm.mlp.up is up

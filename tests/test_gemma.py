@@ -128,6 +128,23 @@ def test_matches_hf_with_cache(setup):
     assert err <= 1e-4, err
 
 
+def test_serving_layout_matches_hf_and_the_stored_layout(setup):
+    """``per_layer``'s fused q|k|v and gate|up products give HF's outputs, and on the CPU the
+    stored layout's bit for bit."""
+    cfg, _, params, x, ref = setup
+    fwd = jax.jit(gemma.forward, static_argnames="cfg")
+
+    def run(p):
+        return run_prefill_then_steps(p, cfg.tts, x, lambda p, c, xx: fwd(p, c, xx, cfg=cfg.tts))[1]
+
+    serving = gemma.per_layer(params)
+    assert serving.q is None
+    assert len(serving.qkv) == cfg.tts.n_layers
+    h = run(serving)
+    assert rel_err(h, ref) <= 1e-4
+    np.testing.assert_array_equal(h, run(params))
+
+
 def test_jit_equals_eager(setup):
     cfg, _, params, x, _ = setup
     eager = lambda p, c, xx: gemma.forward(p, c, xx, cfg=cfg.tts)  # noqa: E731

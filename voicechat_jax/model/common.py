@@ -70,6 +70,24 @@ def per_layer_specs(specs, fields: Sequence[str], n_layers: int):
     return specs.replace(**{f: (P(*getattr(specs, f)[1:]),) * n_layers for f in fields})
 
 
+def fused_per_layer(*stacked) -> tuple[jax.Array, ...]:
+    """Products that share their input, as one per layer: stacked weights [L, D, F_i] side by
+    side on their last axis, L x [D, sum F_i] (the serving layout's ``qkv`` and ``gate_up``).
+
+    One product with all the columns is one launch where there were several, and more column
+    tiles for the few rows (two per session) a beat has. On the CPU its columns equal the
+    separate products' bit for bit.
+    """
+    return _fuse_program(*stacked)
+
+
+@jax.jit
+def _fuse_program(*stacked: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(
+        jnp.concatenate([w[i] for w in stacked], axis=-1) for i in range(stacked[0].shape[0])
+    )
+
+
 def _unstack(x):
     if isinstance(x, tuple):
         return x

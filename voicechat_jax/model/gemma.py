@@ -45,8 +45,12 @@ _NO_WINDOW = np.iinfo(np.int32).max
 
 @struct.dataclass
 class GemmaParams:
-    """``Gemma3TextModel`` without ``embed_tokens``; per-layer weights stacked on ``L`` (the
-    products a tuple of L layers in the serving layout, ``per_layer``)."""
+    """``Gemma3TextModel`` without ``embed_tokens``; per-layer weights stacked on ``L``.
+
+    In the serving layout (``per_layer``) ``q``, ``k``, ``v``, ``gate`` and ``up`` are None and
+    ``qkv`` and ``gate_up`` hold them fused, ``o`` and ``down`` are tuples of L layers; as stored
+    (checkpoints, the key table) the two fused fields are None.
+    """
 
     input_norm: jax.Array  # [L, D]  input_layernorm
     q: jax.Array  # [L, D, N*H]  self_attn.q_proj, transposed
@@ -62,6 +66,8 @@ class GemmaParams:
     down: jax.Array  # [L, F, D]  mlp.down_proj, transposed
     post_ff_norm: jax.Array  # [L, D]  post_feedforward_layernorm
     final_norm: jax.Array  # [D]  norm
+    qkv: tuple[jax.Array, ...] | None = None  # L x [D, (N + 2K) * H]  q | k | v (serving)
+    gate_up: tuple[jax.Array, ...] | None = None  # L x [D, 2F]  gate | up (serving)
 
 
 _LAYER_FIELDS = (
@@ -80,13 +86,23 @@ _LAYER_FIELDS = (
     "post_ff_norm",
 )
 
-# The products a step streams: one leaf per layer in the serving layout.
-_PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")
-
 
 def per_layer(params: GemmaParams) -> GemmaParams:
-    """The serving layout (``common.per_layer``): the seven products one leaf per layer."""
-    return common.per_layer(params, _PRODUCTS)
+    """The serving layout: the products that share an input fused, one per layer
+    (``common.fused_per_layer``: ``qkv``, ``gate_up``), ``o`` and ``down`` one leaf per layer
+    (``common.per_layer``). Already in it: returned as it is."""
+    if params.qkv is not None:
+        return params
+    split = common.per_layer(params, ("o", "down"))
+    return split.replace(
+        q=None,
+        k=None,
+        v=None,
+        gate=None,
+        up=None,
+        qkv=common.fused_per_layer(params.q, params.k, params.v),
+        gate_up=common.fused_per_layer(params.gate, params.up),
+    )
 
 
 @struct.dataclass
@@ -230,12 +246,18 @@ def forward(
     h = x
     ks, vs = list(cache.k), list(cache.v)
     for l in range(cfg.n_layers):
-        w = {f: getattr(params, f)[l] for f in _LAYER_FIELDS}
+        w = {f: getattr(params, f)[l] for f in _LAYER_FIELDS if getattr(params, f) is not None}
         inv = jnp.asarray(inv_freq[l])
         y = rms_norm(h, w["input_norm"], eps, offset=1.0)
-        q = jnp.einsum("btd,de->bte", y, w["q"].astype(y.dtype)).reshape(B, T, cfg.n_heads, H)
-        k = jnp.einsum("btd,de->bte", y, w["k"].astype(y.dtype)).reshape(B, T, K, H)
-        v = jnp.einsum("btd,de->bte", y, w["v"].astype(y.dtype)).reshape(B, T, K, H)
+        if params.qkv is not None:  # the serving layout: one product, its columns split
+            qkv = jnp.einsum("btd,de->bte", y, params.qkv[l].astype(y.dtype))
+            q, k, v = jnp.split(qkv, [cfg.n_heads * H, (cfg.n_heads + K) * H], axis=-1)
+        else:
+            q = jnp.einsum("btd,de->bte", y, w["q"].astype(y.dtype))
+            k = jnp.einsum("btd,de->bte", y, w["k"].astype(y.dtype))
+            v = jnp.einsum("btd,de->bte", y, w["v"].astype(y.dtype))
+        q = q.reshape(B, T, cfg.n_heads, H)
+        k, v = k.reshape(B, T, K, H), v.reshape(B, T, K, H)
         q = apply_rope(rms_norm(q, w["q_norm"], eps, offset=1.0), positions, inv)
         k = apply_rope(rms_norm(k, w["k_norm"], eps, offset=1.0), positions, inv)
         # Advanced indices on axes 0 and 2 around a slice: the update is [B, T, K, H].
@@ -254,8 +276,12 @@ def forward(
         a = jnp.einsum("bte,ed->btd", a, w["o"].astype(a.dtype))
         h = h + rms_norm(a, w["post_attn_norm"], eps, offset=1.0)
         y = rms_norm(h, w["pre_ff_norm"], eps, offset=1.0)
-        g = jnp.einsum("btd,df->btf", y, w["gate"].astype(y.dtype))
-        u = jnp.einsum("btd,df->btf", y, w["up"].astype(y.dtype))
+        if params.gate_up is not None:
+            gu = jnp.einsum("btd,df->btf", y, params.gate_up[l].astype(y.dtype))
+            g, u = jnp.split(gu, 2, axis=-1)
+        else:
+            g = jnp.einsum("btd,df->btf", y, w["gate"].astype(y.dtype))
+            u = jnp.einsum("btd,df->btf", y, w["up"].astype(y.dtype))
         m = jnp.einsum(
             "btf,fd->btd", jax.nn.gelu(g, approximate=True) * u, w["down"].astype(y.dtype)
         )

@@ -34,8 +34,8 @@ from voicechat_jax.precision import Precision
 
 @struct.dataclass
 class MoGParams:
-    """``MoGHead`` with ``low_rank`` set (the release's 64); ``gate``, ``up`` and ``down`` a tuple
-    of L layers in the serving layout (``per_layer``)."""
+    """``MoGHead`` with ``low_rank`` set (the release's 64). In the serving layout (``per_layer``)
+    ``gate`` and ``up`` are None and ``gate_up`` holds them fused, ``down`` a tuple of L layers."""
 
     pre_norm: jax.Array  # [L, D]  mlp_stack.{l}.pre_norm
     gate: jax.Array  # [L, D, F]  mlp_stack.{l}.mlp.gate_proj
@@ -48,6 +48,7 @@ class MoGParams:
     low_mat: jax.Array  # [E, Z, R]
     proj_else: jax.Array  # [D, Z]
     proj_logs: jax.Array  # [D, 1]
+    gate_up: tuple[jax.Array, ...] | None = None  # L x [D, 2F]  gate | up (serving)
 
 
 def init(key: jax.Array, cfg: SpeechDecoderConfig, precision: Precision) -> MoGParams:
@@ -76,15 +77,22 @@ def trunk(params: MoGParams, x: jax.Array, *, cfg: SpeechDecoderConfig) -> jax.A
     weights: no slice of a stacked one in the serving layout, ``per_layer``)."""
     for l in range(cfg.mog_mlp_layers):
         y = rms_norm(x, params.pre_norm[l], cfg.norm_eps, offset=1.0)
-        gate, up = dense(y, params.gate[l]), dense(y, params.up[l])
+        if params.gate_up is not None:  # the serving layout: one product, its columns split
+            gate, up = jnp.split(dense(y, params.gate_up[l]), 2, axis=-1)
+        else:
+            gate, up = dense(y, params.gate[l]), dense(y, params.up[l])
         y = dense(jax.nn.gelu(gate, approximate=True) * up, params.down[l])
         x = x + rms_norm(y, params.post_norm[l], cfg.norm_eps, offset=1.0)
     return rms_norm(x, params.final_norm, cfg.norm_eps, offset=1.0)
 
 
 def per_layer(params: MoGParams) -> MoGParams:
-    """The serving layout (``common.per_layer``): the trunk's three products one leaf per layer."""
-    return common.per_layer(params, ("gate", "up", "down"))
+    """The serving layout: the trunk's gate and up fused, one per layer (``gate_up``,
+    ``common.fused_per_layer``), ``down`` one leaf per layer. Already in it: returned as it is."""
+    if params.gate_up is not None:
+        return params
+    split = common.per_layer(params, ("down",))
+    return split.replace(gate=None, up=None, gate_up=common.fused_per_layer(params.gate, params.up))
 
 
 def guide(cond: jax.Array, uncond: jax.Array, scale: float) -> jax.Array:
