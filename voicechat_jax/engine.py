@@ -236,9 +236,10 @@ class Engine:
         """Builds the template (unless given), checks the memory plan, allocates the state.
 
         Args:
-          params: the model's params in either layout; the engine keeps them in the serving
-            layout (``voicechat.serving_layout``, the stored one split one leaf per layer), so
-            a caller that drops its own reference frees the stacked copy.
+          params: the model's params, stored or already in the serving layout; the engine keeps
+            them in the serving layout (``voicechat.serving_layout``: the products one leaf per
+            layer, some fused). Params already in it are kept as they are; from stored ones a
+            caller that drops its own reference frees the stacked copy.
           template: a fresh-session state already built for this ``cfg`` and ``serve``
             (several engines of one process can share it); default: built here.
           memory_limit_bytes: the memory budget to plan against, instead of the device's own limit.
@@ -286,7 +287,7 @@ class Engine:
         logging.info("kernels: %s", self.kernels.row())
         if mesh is not None:
             params = mesh_lib.put_replicated(params, mesh)
-        # Served one leaf per layer (on a mesh: placed below, from the stored layout).
+        # In the serving layout (on a mesh: ``mesh_lib.put_params`` below).
         self.params = params if mesh is not None else voicechat.serving_layout(params)
         self.cfg = cfg
         self.serve = serve
