@@ -98,12 +98,14 @@ def abstract(cfg: ModelConfig, precision: Precision, *, text_table: bool = True)
 
 def serving_layout(params: ModelParams) -> ModelParams:
     """The params as the engine serves them: the products of the LLM, the speech decoder backbone
-    and the MoG trunk one leaf per layer (``nano.per_layer``, ``gemma.per_layer``,
-    ``mog.per_layer``), the rest as stored.
+    and the MoG trunk one leaf per layer, the speech decoder's that share an input fused
+    (``nano.per_layer``, ``gemma.per_layer``, ``mog.per_layer``); the rest as stored.
 
-    Every function of the model takes either layout and gives the same bits; the stored layout
-    (stacked on L) is what checkpoints, the converter and the key table use. On a GPU the serving
-    layout saves the copy of each layer's weight out of its stack before its product.
+    Every function of the model takes either layout; on the CPU both give the same bits (on a
+    GPU a fused product may round its fp32 sums differently). The stored layout (stacked on L)
+    is what checkpoints, the converter and the key table use. On a GPU the serving layout saves
+    the copy of each layer's weight out of its stack before its product. Params already in it
+    are returned as they are.
     """
     return params.replace(llm=nano.per_layer(params.llm), tts=_tts_serving(params.tts))
 
