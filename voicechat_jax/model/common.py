@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,17 +51,26 @@ def count_params(tree) -> int:
     return sum(int(x.size) for x in jax.tree_util.tree_leaves(tree))
 
 
-def per_layer(params, fields: Sequence[str]):
-    """``params`` (a dataclass of weights stacked on a leading L axis) with each of ``fields`` as a
-    tuple of its L layers: the serving layout of the weights a decode step streams.
+def per_layer(params, fields: Sequence[str], fused: Mapping[str, Sequence[str]] | None = None):
+    """``params`` (a dataclass of weights stacked on a leading L axis) in the serving layout of
+    the weights a decode step streams: each of ``fields`` as a tuple of its L layers, and each
+    ``fused`` field (``{"qkv": ("q", "k", "v")}``) set to L products that share their input, the
+    stacked fields side by side on their last axis (L x [D, sum F_i]), those fields set to None.
 
     A layer loop reads ``params.field[j]`` (static j) the same way in either layout, and the
-    results are the same bit for bit. What differs is the GPU: a static slice of a stacked
+    split fields give the same bits. What differs is the GPU: a static slice of a stacked
     parameter is copied out before each product, ~21.7 ms of every faithful 11B tick on an H200
-    (2026-12-04, ``experiments/tick_profile``), while a per-layer leaf is read where it lies.
-    Fields already split are kept as they are.
+    (2026-12-04, ``experiments/tick_profile``), while a per-layer leaf is read where it lies. A
+    fused product is one launch where there were several, with more column tiles for the few
+    rows (two per session) a beat has; on the CPU its columns equal the separate products' bit
+    for bit. Fields already in the layout are kept as they are.
     """
-    return params.replace(**{f: _unstack(getattr(params, f)) for f in fields})
+    split = {f: _layers(getattr(params, f)) for f in fields}
+    for name, sources in (fused or {}).items():
+        if getattr(params, name) is None:
+            split |= {name: _layers(*(getattr(params, f) for f in sources))}
+            split |= {f: None for f in sources}
+    return params.replace(**split)
 
 
 def per_layer_specs(specs, fields: Sequence[str], n_layers: int):
@@ -70,32 +79,15 @@ def per_layer_specs(specs, fields: Sequence[str], n_layers: int):
     return specs.replace(**{f: (P(*getattr(specs, f)[1:]),) * n_layers for f in fields})
 
 
-def fused_per_layer(*stacked) -> tuple[jax.Array, ...]:
-    """Products that share their input, as one per layer: stacked weights [L, D, F_i] side by
-    side on their last axis, L x [D, sum F_i] (the serving layout's ``qkv`` and ``gate_up``).
-
-    One product with all the columns is one launch where there were several, and more column
-    tiles for the few rows (two per session) a beat has. On the CPU its columns equal the
-    separate products' bit for bit.
-    """
-    return _fuse_program(*stacked)
+def _layers(*stacked):
+    """The L layers of ``stacked`` side by side (one array: its layers); a tuple is kept."""
+    if isinstance(stacked[0], tuple):
+        return stacked[0]
+    return _layers_program(*stacked)  # one small program per shape, not one per layer index
 
 
 @jax.jit
-def _fuse_program(*stacked: jax.Array) -> tuple[jax.Array, ...]:
+def _layers_program(*stacked: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(
         jnp.concatenate([w[i] for w in stacked], axis=-1) for i in range(stacked[0].shape[0])
     )
-
-
-def _unstack(x):
-    if isinstance(x, tuple):
-        return x
-    if isinstance(x, jax.Array):
-        return _unstack_program(x)  # one small program per shape, not one per layer index
-    return tuple(x[i] for i in range(x.shape[0]))
-
-
-@jax.jit
-def _unstack_program(x: jax.Array) -> tuple[jax.Array, ...]:
-    return tuple(x[i] for i in range(x.shape[0]))

@@ -88,20 +88,10 @@ _LAYER_FIELDS = (
 
 
 def per_layer(params: GemmaParams) -> GemmaParams:
-    """The serving layout: the products that share an input fused, one per layer
-    (``common.fused_per_layer``: ``qkv``, ``gate_up``), ``o`` and ``down`` one leaf per layer
-    (``common.per_layer``). Already in it: returned as it is."""
-    if params.qkv is not None:
-        return params
-    split = common.per_layer(params, ("o", "down"))
-    return split.replace(
-        q=None,
-        k=None,
-        v=None,
-        gate=None,
-        up=None,
-        qkv=common.fused_per_layer(params.q, params.k, params.v),
-        gate_up=common.fused_per_layer(params.gate, params.up),
+    """The serving layout (``common.per_layer``): the products that share an input fused, one
+    per layer (``qkv``, ``gate_up``), ``o`` and ``down`` one leaf per layer."""
+    return common.per_layer(
+        params, ("o", "down"), fused={"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
     )
 
 

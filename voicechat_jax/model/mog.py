@@ -87,12 +87,9 @@ def trunk(params: MoGParams, x: jax.Array, *, cfg: SpeechDecoderConfig) -> jax.A
 
 
 def per_layer(params: MoGParams) -> MoGParams:
-    """The serving layout: the trunk's gate and up fused, one per layer (``gate_up``,
-    ``common.fused_per_layer``), ``down`` one leaf per layer. Already in it: returned as it is."""
-    if params.gate_up is not None:
-        return params
-    split = common.per_layer(params, ("down",))
-    return split.replace(gate=None, up=None, gate_up=common.fused_per_layer(params.gate, params.up))
+    """The serving layout (``common.per_layer``): the trunk's gate and up fused, one per layer
+    (``gate_up``), ``down`` one leaf per layer."""
+    return common.per_layer(params, ("down",), fused={"gate_up": ("gate", "up")})
 
 
 def guide(cond: jax.Array, uncond: jax.Array, scale: float) -> jax.Array:

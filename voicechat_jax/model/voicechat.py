@@ -52,10 +52,6 @@ def init(key: jax.Array, cfg: ModelConfig, precision: Precision) -> ModelParams:
     )
 
 
-def _tts_serving(params: ear_tts.TTSParams) -> ear_tts.TTSParams:
-    return params.replace(backbone=gemma.per_layer(params.backbone), mog=mog.per_layer(params.mog))
-
-
 # Each sub-network's ``init`` as one program (its config and precision static). The serving
 # layout is split from their outputs, not inside them: a speech-decoder init that returned its
 # layers apart took over 7 minutes to compile on an H200 (2026-12-05), against ~1 minute.
@@ -107,7 +103,9 @@ def serving_layout(params: ModelParams) -> ModelParams:
     the copy of each layer's weight out of its stack before its product. Params already in it
     are returned as they are.
     """
-    return params.replace(llm=nano.per_layer(params.llm), tts=_tts_serving(params.tts))
+    tts = params.tts
+    tts = tts.replace(backbone=gemma.per_layer(tts.backbone), mog=mog.per_layer(tts.mog))
+    return params.replace(llm=nano.per_layer(params.llm), tts=tts)
 
 
 @struct.dataclass
