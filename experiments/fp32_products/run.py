@@ -1,0 +1,141 @@
+"""The faithful tick's fp32 products under each product algorithm: time, rate and error.
+
+See README.md. For each product shape the faithful policy runs in fp32 (the speech decoder's
+backbone and MoG trunk at ``2B`` rows, the encoder's at ``B``), each ``--slots`` count and each
+``--algorithms`` choice, a jitted program of ``--layers`` such products over distinct random
+weights (as a tick reads them: one layer's weight after another, none cached), timed as the median
+of ``--calls`` calls. Rows: ms per product, TFLOP/s, and the error of the first product against a
+float64 product of the same fp32 inputs, as the largest difference over the largest reference
+value (``max_rel``) and the RMS difference over the reference's RMS (``rms_rel``). ``float32``
+(``HIGHEST``) is what the faithful policy runs today; its error is the bar an algorithm must meet
+to stand in for it. Rows are appended to ``--out`` as measured, with their provenance.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from experiments import harness
+from voicechat_jax import config as config_lib
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list(
+    "slots", ["72", "112"], "Slot counts B (the speech decoder's products see 2B rows)."
+)
+flags.DEFINE_list(
+    "algorithms",
+    ["float32", "tensorfloat32", "TF32_TF32_F32_X3", "BF16_BF16_F32_X6", "BF16_BF16_F32_X9"],
+    "float32 (HIGHEST), tensorfloat32 (HIGH), or a jax.lax.DotAlgorithmPreset name.",
+)
+flags.DEFINE_integer("layers", 8, "Distinct weights per timed program (products per call).")
+flags.DEFINE_integer("calls", 20, "Timed calls per row (after 3 warm-up calls).")
+flags.DEFINE_string("model", "voicechat_11b", "Preset whose shapes are used: voicechat_11b | tiny.")
+flags.DEFINE_string("out", None, "JSON-lines output file (appended).")
+
+
+def shapes(cfg: config_lib.ModelConfig) -> list[tuple[str, int, int, int, int]]:
+    """(name, rows per slot, D, F, products per frame) of each fp32 product of a frame, in the
+    serving layout (``voicechat.serving_layout``: q|k|v and gate|up fused)."""
+    t, e = cfg.tts, cfg.encoder
+    q, kv = t.n_heads * t.head_dim, t.n_kv_heads * t.head_dim
+    mog_rounds = 5  # ear_tts.schedule at the release's sampler settings
+    return [
+        ("tts_qkv", 2, t.d_model, q + 2 * kv, t.n_layers),
+        ("tts_o", 2, q, t.d_model, t.n_layers),
+        ("tts_gate_up", 2, t.d_model, 2 * t.mlp_dim, t.n_layers),
+        ("tts_down", 2, t.mlp_dim, t.d_model, t.n_layers),
+        ("mog_gate_up", 2, t.d_model, 2 * t.mlp_dim, t.mog_mlp_layers * mog_rounds),
+        ("mog_down", 2, t.mlp_dim, t.d_model, t.mog_mlp_layers * mog_rounds),
+        ("enc_ff_up", 1, e.d_model, e.ff_dim, 2 * e.n_layers),
+        ("enc_ff_down", 1, e.ff_dim, e.d_model, 2 * e.n_layers),
+    ]
+
+
+def precision_of(name: str):
+    if name == "float32":
+        return jax.lax.Precision.HIGHEST
+    if name == "tensorfloat32":
+        return jax.lax.Precision.HIGH
+    return getattr(jax.lax.DotAlgorithmPreset, name)
+
+
+def products(x, ws, *, precision):
+    """x [R, D] times each of ws (L x [D, F]): L outputs [R, F] in fp32."""
+    return tuple(jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32) for w in ws)
+
+
+def errors(y: np.ndarray, ref: np.ndarray) -> dict:
+    d = y.astype(np.float64) - ref
+    return {
+        "max_rel": float(np.abs(d).max() / np.abs(ref).max()),
+        "rms_rel": float(np.sqrt((d**2).mean() / (ref**2).mean())),
+    }
+
+
+def main(argv):
+    del argv
+    cfg = getattr(config_lib, FLAGS.model)()
+    log = harness.RowLog(FLAGS.out)
+    rng = np.random.default_rng(0)
+    table = []
+    for name, per_slot, D, F, per_frame in shapes(cfg):
+        ws = tuple(
+            jnp.asarray(rng.standard_normal((D, F), np.float32) / np.sqrt(D))
+            for _ in range(FLAGS.layers)
+        )
+        w0 = np.asarray(ws[0], np.float64)
+        for B in (int(s) for s in FLAGS.slots):
+            R = per_slot * B
+            x = jnp.asarray(rng.standard_normal((R, D), np.float32))
+            ref = np.asarray(x, np.float64) @ w0
+            for algo in FLAGS.algorithms:
+                row = {
+                    "shape": name,
+                    "slots": B,
+                    "R": R,
+                    "D": D,
+                    "F": F,
+                    "algorithm": algo,
+                    "per_frame": per_frame,
+                    "layers": FLAGS.layers,
+                }
+                try:
+                    fn = jax.jit(functools.partial(products, precision=precision_of(algo)))
+                    out = jax.block_until_ready(fn(x, ws))
+                    ms = harness.time_call(
+                        functools.partial(fn, x, ws), calls=FLAGS.calls, warmup=3
+                    )
+                except Exception as err:  # an algorithm this backend lacks: a row that says so
+                    log.write({**row, "error": f"{type(err).__name__}: {err}"[:300]})
+                    continue
+                per = ms / FLAGS.layers
+                row.update(
+                    ms_per_product=per,
+                    tflop_s=2 * R * D * F / per / 1e9,
+                    frame_ms=per * per_frame,
+                    **errors(np.asarray(out[0]), ref),
+                )
+                table.append(log.write(row))
+    base = {(r["shape"], r["slots"]): r for r in table if r["algorithm"] == "float32"}
+    lines = [
+        "| shape | B | algorithm | ms | TFLOP/s | vs float32 | frame ms | max_rel | rms_rel |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in table:
+        b = base.get((r["shape"], r["slots"]))
+        speed = f"{b['ms_per_product'] / r['ms_per_product']:.2f}x" if b else ""
+        lines.append(
+            f"| {r['shape']} | {r['slots']} | {r['algorithm']} | {r['ms_per_product']:.4f} | "
+            f"{r['tflop_s']:.1f} | {speed} | {r['frame_ms']:.2f} | {r['max_rel']:.1e} | "
+            f"{r['rms_rel']:.1e} |"
+        )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    app.run(main)
