@@ -425,9 +425,14 @@ def test_auto_kernels_are_the_measured_best_per_platform_and_slots():
         assert auto.kernels("gpu", from_slots).row()[field] == kernel
         assert auto.kernels("gpu", from_slots - 1).row()[field] == "xla"
     # A choice made is kept; the speech decoder follows an explicit LLM choice as before.
-    explicit = ServeConfig(slots=112, attention="pallas", ssm_kernel="fused")
+    explicit = ServeConfig(slots=112, attention="pallas", ssm_kernel="pallas")
     assert explicit.resolved("gpu") is explicit
     assert explicit.kernels("cpu").row()["tts_attention"] == "pallas"
+    # The fused Mamba step runs on the CPU (interpreted), never on a GPU (config._FUSED_ON_GPU).
+    fused = ServeConfig(slots=112, ssm_kernel="fused")
+    assert fused.kernels("cpu").row()["ssm_kernel"] == "fused"
+    with pytest.raises(ValueError, match="ssm_kernel='fused' is not served on a GPU"):
+        fused.kernels("gpu")
     mixed = ServeConfig(slots=64, attention="xla", tts_attention="auto", ssm_kernel="xla")
     assert mixed.kernels("gpu").row() == {**xla, "tts_attention": "pallas_mha"}
     assert ServeConfig(slots=8).resolved("gpu").ssm_kernel is SSMKernel.PALLAS

@@ -398,6 +398,14 @@ class ProjectionImpl(enum.StrEnum):
 # (experiments/decode_attention). The speech decoder's G = 1 kernel: 1.19-1.20x on the fp32
 # cache and 1.8-1.9x on bf16 at 56 and 112, not measured below 56; in the tick at 72 and 80
 # (experiments/capacity).
+# Measured on an H100 (2026-12-05, ``experiments/ssm_step_kernel/results/h100_fused.jsonl``): the
+# fused Mamba step's output (its gated norm, summed across programs) left XLA's by up to 22 % of
+# the largest value at 112 slots while the states agreed; the interpreter (the CPU tests) agrees.
+_FUSED_ON_GPU = (
+    "ssm_kernel='fused' is not served on a GPU: its gated-norm output disagreed with XLA's there "
+    "(experiments/ssm_step_kernel, 2026-12-05); use 'pallas', 'xla' or 'auto'"
+)
+
 AUTO_KERNELS = {
     "ssm_kernel": ("pallas", 8),
     "attention": ("pallas", 16),
@@ -519,9 +527,11 @@ class ServeConfig:
         if tts is None and self.attention == AttentionImpl.AUTO:
             tts = AttentionImpl.AUTO
         chosen = {"attention": self.attention, "tts_attention": tts, "ssm_kernel": self.ssm_kernel}
+        on_gpu = (platform or jax.default_backend()) == "gpu"
+        if on_gpu and self.ssm_kernel == SSMKernel.FUSED:
+            raise ValueError(_FUSED_ON_GPU)
         if "auto" not in chosen.values():
             return self
-        on_gpu = (platform or jax.default_backend()) == "gpu"
         slots = self.slots if slots is None else slots
         for field, value in chosen.items():
             if value == "auto":

@@ -191,8 +191,8 @@ def _run(row, make_fn, states_of, args, nbytes, reference, key, layers, repeats)
         ms_p10=float(np.percentile(times, 10)) * 1e3 / layers,
         ms_p90=float(np.percentile(times, 90)) * 1e3 / layers,
         first_call_s=first_s,
-        GB=nbytes / 1e9,
-        GBps=nbytes / (ms * 1e-3) / 1e9,
+        GB=nbytes / 1e9,  # every layer's bytes: the rate divides them by every layer's time
+        GBps=nbytes / (ms * layers * 1e-3) / 1e9,
     )
     if row["impl"] in ("xla", "xla:xla"):
         reference[key] = first
