@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from tests import shared
+from voicechat_jax import precision as precision_lib
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.engine import Engine
-from voicechat_jax.model import codec, voicechat
+from voicechat_jax.model import codec, ear_tts, voicechat
 from voicechat_jax.precision import POLICIES, Precision, lax_precision, policy
 
 CFG = tiny()
@@ -33,7 +34,13 @@ def test_policies_by_name():
         "tf32x3_codec",
         "bf16_tts_kv_tf32_codec",
         "bf16_tts_kv_tf32x3_codec",
+        "tf32x3_tts_codec",
+        "bf16_tts_kv_tf32x3_tts_codec",
     }
+    assert policy("tf32x3_tts_codec") == Precision(tts_matmul="tf32_x3", codec_matmul="tf32_x3")
+    assert policy("bf16_tts_kv_tf32x3_tts_codec").tts_kv == jnp.bfloat16
+    with pytest.raises(ValueError, match="tts_matmul must be one of"):
+        Precision(tts_matmul="bf16_x6")
     assert policy("bf16_tts_kv_tf32x3_codec") == Precision(
         tts_kv=jnp.bfloat16, codec_matmul="tf32_x3"
     )
@@ -67,6 +74,45 @@ def test_lax_precision_per_platform():
     assert lax_precision("bf16_x6", "gpu") == jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
     with pytest.raises(ValueError, match="matmul must be one of"):
         lax_precision("fp8")
+
+
+def _dots(jaxpr) -> list:
+    """Every ``dot_general`` equation of ``jaxpr`` and of the jaxprs nested in it."""
+    found = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            found.append(e)
+        for sub in jax.tree_util.tree_leaves(e.params, is_leaf=lambda x: hasattr(x, "eqns")):
+            sub = getattr(sub, "jaxpr", sub)
+            if hasattr(sub, "eqns"):
+                found += _dots(sub)
+    return found
+
+
+def test_tf32x3_reaches_the_speech_decoders_weight_products_alone(monkeypatch):
+    """``tts_matmul='tf32_x3'``: on a GPU every weight product of the speech decoder's backbone
+    (4 a layer in the serving layout) and of the MoG trunk (2 a layer, every head round) carries
+    the three-pass algorithm, on fp32 operands; its attention and every other product keep the
+    scope's. Off the GPU the policy's tick is the reference tick, op for op."""
+    X3, HIGHEST = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3, jax.lax.Precision.HIGHEST
+    prec = Precision.tf32x3_tts_codec()
+    assert Precision.reference().tts_product() is None  # the scope's, as before
+    assert prec.tts_product("gpu") == X3
+    assert prec.tts_product("cpu") == HIGHEST
+    assert _lowered_tick(prec) == _lowered_tick(Precision.reference())
+
+    params = voicechat.serving_layout(shared.params("fp32"))
+    template = voicechat.initial_state(params, cfg=CFG, precision=Precision.fp32(), max_len=16)
+    lax_precision_gpu = functools.partial(lax_precision, platform="gpu")
+    monkeypatch.setattr(precision_lib, "lax_precision", lambda m, _=None: lax_precision_gpu(m))
+    step = functools.partial(voicechat.advance, cfg=CFG, precision=prec, deterministic=False)
+    audio, key = jnp.zeros((1, 1280), jnp.float32), jax.random.key_data(jax.random.key(0))[None]
+    dots = _dots(jax.make_jaxpr(step)(params, template, audio, key).jaxpr)
+    x3 = [e for e in dots if e.params["precision"] == X3]
+    t = CFG.tts
+    assert len(x3) == 4 * t.n_layers + 2 * t.mog_mlp_layers * len(ear_tts.schedule(t))
+    assert all(v.aval.dtype == jnp.float32 for e in x3 for v in e.invars)
+    assert len(dots) > len(x3)  # the attention, the encoder, the LLM, the codec: as before
 
 
 def test_the_policy_lives_in_serve_config():

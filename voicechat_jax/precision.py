@@ -17,8 +17,9 @@ Policies beside the faithful default, for capacity (each measured for its deviat
 products keep their explicit ``HIGHEST``), ``bf16_tts_kv()`` (the speech
 decoder's KV cache, the largest per-session state, stored in bf16: half its bytes),
 ``tf32_bf16_tts_kv()`` (both), ``tf32_codec()`` (TF32 products in the codec's decoder only),
-``tf32x3_codec()`` (the codec's decoder products as three TF32 passes, about fp32's accuracy) and
-``bf16_tts_kv_tf32_codec()``.
+``tf32x3_codec()`` (the codec's decoder products as three TF32 passes, about fp32's accuracy),
+``bf16_tts_kv_tf32_codec()``, and ``tf32x3_tts_codec()`` / ``bf16_tts_kv_tf32x3_tts_codec()``
+(the speech decoder's weight products as three TF32 passes too: ``tts_matmul``).
 
 The codec's decoder turns the sampled codes into the waveform and nothing else: nothing the rest
 of the model reads depends on it (its own state is the decoder's conv and overlap-add tails), so
@@ -44,6 +45,10 @@ MATMUL = ("float32", "tensorfloat32")
 # 'bf16_x6' (six bf16 products). On a platform without them (the CPU) they are full fp32.
 CODEC_MATMUL = (*MATMUL, "tf32_x3", "bf16_x6")
 _PRESETS = {"tf32_x3": "TF32_TF32_F32_X3", "bf16_x6": "BF16_BF16_F32_X6"}
+# The speech decoder's weight products (its backbone's and the MoG trunk's): None follows
+# ``matmul``; 'tf32_x3' runs them as three TF32 passes on a GPU (``experiments/fp32_products``:
+# less error than cuBLAS's full-fp32 product at these shapes, 2026-12-05), full fp32 elsewhere.
+TTS_MATMUL = (None, "tf32_x3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +65,14 @@ class Precision:
     codec: jnp.dtype = jnp.float32  # RVQ-VAE codec
     matmul: str = "float32"  # fp32 products: 'float32' (as torch) | 'tensorfloat32' (TF32 on GPUs)
     codec_matmul: str = "float32"  # the codec decoder's products (the waveform only): CODEC_MATMUL
+    tts_matmul: str | None = None  # the speech decoder's weight products: TTS_MATMUL
 
     def __post_init__(self):
         for field, choices in (("matmul", MATMUL), ("codec_matmul", CODEC_MATMUL)):
             if getattr(self, field) not in choices:
                 raise ValueError(f"{field} must be one of {choices}: {getattr(self, field)!r}")
+        if self.tts_matmul not in TTS_MATMUL:
+            raise ValueError(f"tts_matmul must be one of {TTS_MATMUL}: {self.tts_matmul!r}")
 
     def scope(self):
         """The context in which the engine traces its programs (``jax.default_matmul_precision``).
@@ -72,6 +80,11 @@ class Precision:
         Explicit ``precision=`` arguments (the codec's and the SSM's ``HIGHEST``) still win.
         """
         return jax.default_matmul_precision(self.matmul)
+
+    def tts_product(self, platform: str | None = None):
+        """The explicit ``precision=`` of the speech decoder's weight products (static): None
+        (the scope's, ``matmul``) unless ``tts_matmul`` names an algorithm (``lax_precision``)."""
+        return None if self.tts_matmul is None else lax_precision(self.tts_matmul, platform)
 
     @classmethod
     def reference(cls) -> Precision:
@@ -132,6 +145,24 @@ class Precision:
         return cls(tts_kv=jnp.bfloat16, codec_matmul="tf32_x3")
 
     @classmethod
+    def tf32x3_tts_codec(cls) -> Precision:
+        """The reference dtypes with the speech decoder's weight products (backbone, MoG trunk)
+        and the codec decoder's products as three TF32 passes on a GPU.
+
+        A candidate for a faithful stand-in, not yet one: on an H100 those products had less error
+        than the full-fp32 ones at 0.84-1.89x their speed (``experiments/fp32_products``,
+        2026-12-05). What they give a tick, and their effect on a served run's codes, are not
+        measured. Identical to ``reference`` off the GPU.
+        """
+        return cls(tts_matmul="tf32_x3", codec_matmul="tf32_x3")
+
+    @classmethod
+    def bf16_tts_kv_tf32x3_tts_codec(cls) -> Precision:
+        """``bf16_tts_kv_tf32x3_codec`` with the speech decoder's weight products as three TF32
+        passes too (``tf32x3_tts_codec``). Not faithful: the KV cache is rounded to bf16."""
+        return cls(tts_kv=jnp.bfloat16, tts_matmul="tf32_x3", codec_matmul="tf32_x3")
+
+    @classmethod
     def bf16_tts_kv_tf32_codec(cls) -> Precision:
         """A bf16 speech-decoder KV cache and TF32 products in the codec's decoder."""
         return cls(tts_kv=jnp.bfloat16, codec_matmul="tensorfloat32")
@@ -165,6 +196,8 @@ POLICIES = {
     "tf32x3_codec": Precision.tf32x3_codec,
     "bf16_tts_kv_tf32_codec": Precision.bf16_tts_kv_tf32_codec,
     "bf16_tts_kv_tf32x3_codec": Precision.bf16_tts_kv_tf32x3_codec,
+    "tf32x3_tts_codec": Precision.tf32x3_tts_codec,
+    "bf16_tts_kv_tf32x3_tts_codec": Precision.bf16_tts_kv_tf32x3_tts_codec,
 }
 
 

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 
-def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """``x @ w (+ b)`` with ``w`` stored [in, out] (a torch Linear [out, in] transposed)."""
-    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, precision=None) -> jax.Array:
+    """``x @ w (+ b)`` with ``w`` stored [in, out] (a torch Linear [out, in] transposed);
+    ``precision`` (static) as ``jnp.einsum``'s, None for the scope's
+    (``Precision.scope()``)."""
+    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), precision=precision)
     if b is not None:
         y = y + b.astype(y.dtype)
     return y

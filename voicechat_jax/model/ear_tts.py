@@ -314,11 +314,12 @@ def generate_codes(
     *,
     cfg: ModelConfig,
     deterministic: bool,
+    product=None,
 ) -> jax.Array:
     """One frame's codes from the backbone's cond/uncond outputs [B, D] -> [B, Q] int32.
 
     ``keys``: [B] typed keys (or [B, 2] uint32 key data), one per row; unused (may be None) when
-    ``deterministic``.
+    ``deterministic``. ``product``: the MoG trunk's ``precision=`` (``Precision.tts_product``).
     """
     t = cfg.tts
     B = h_cond.shape[0]
@@ -327,7 +328,9 @@ def generate_codes(
         u, eps = sampling_noise(keys, cfg=cfg)
     for r, (start, count) in enumerate(schedule(t)):
         m = embed_codes(params, codes)  # [B, D]
-        x = mog.trunk(params.mog, jnp.concatenate([m + h_cond, m + h_uncond]), cfg=t)
+        x = mog.trunk(
+            params.mog, jnp.concatenate([m + h_cond, m + h_uncond]), cfg=t, product=product
+        )
         x = mog.guide(x[:B], x[B:], t.guidance_scale)
         logits = mog.logits(params.mog, x)
         if deterministic:
@@ -400,7 +403,8 @@ def warmup_state(
         [fuse(params.fusion, audio, text, cfg=cfg), fuse(params.fusion, audio, null, cfg=cfg)]
     )
     cache = gemma.init_cache(t, 2, max_len, precision)
-    cache, _ = gemma.forward(params.backbone, cache, x, cfg=t)  # [2, U, D]: cond, uncond
+    product = precision.tts_product()
+    cache, _ = gemma.forward(params.backbone, cache, x, cfg=t, product=product)  # cond, uncond
 
     def per_slot(a: jax.Array) -> jax.Array:  # [2, K, S, H] -> [batch, 2, K, S, H]
         return jnp.broadcast_to(a[None], (batch, *a.shape))
@@ -424,8 +428,10 @@ def tts_step(
     cfg: ModelConfig,
     deterministic: bool,
     attention: str = "xla",
+    product=None,
 ) -> tuple[TTSState, jax.Array, jax.Array]:
-    """One 80 ms frame for the slots in ``run`` (default all); ``attention`` as ``gemma.forward``.
+    """One 80 ms frame for the slots in ``run`` (default all); ``attention`` and ``product`` (the
+    weight products' precision, ``Precision.tts_product``) as ``gemma.forward``.
 
     Args:
       text_ids: [B] int, the frame's text token (the LLM's output for this frame).
@@ -456,10 +462,18 @@ def tts_step(
         pos=jnp.repeat(state.pos, 2),
     )
     cache, h = gemma.forward(
-        params.backbone, cache, x, cfg=t, valid=jnp.repeat(live, 2), attention=attention
+        params.backbone,
+        cache,
+        x,
+        cfg=t,
+        valid=jnp.repeat(live, 2),
+        attention=attention,
+        product=product,
     )
     h = h.reshape(B, 2, -1)
-    codes = generate_codes(params, h[:, 0], h[:, 1], keys, cfg=cfg, deterministic=deterministic)
+    codes = generate_codes(
+        params, h[:, 0], h[:, 1], keys, cfg=cfg, deterministic=deterministic, product=product
+    )
     codes = jnp.where(live[:, None], codes, 0)
     new = TTSState(
         k=tuple(a.reshape(old.shape) for a, old in zip(cache.k, state.k, strict=True)),

@@ -192,6 +192,7 @@ def forward(
     cfg: SpeechDecoderConfig,
     valid: jax.Array | None = None,
     attention: str = "xla",
+    product=None,
 ) -> tuple[GemmaCache, jax.Array]:
     """Runs ``T`` new positions per slot through the backbone, reading and extending the cache.
 
@@ -209,6 +210,8 @@ def forward(
         cache bit-identical. Outputs at invalid positions are computed but meaningless.
       attention: the decode step's attention implementation (``attention.attend``, T = 1 only;
         'xla' is bit-identical to the masked softmax below).
+      product: the weight products' ``precision=`` (static; ``Precision.tts_product``), None for
+        the scope's. The attention's own products keep the scope's.
 
     Returns:
       (the new cache, h [B, T, D] the final-norm hidden states).
@@ -240,12 +243,12 @@ def forward(
         inv = jnp.asarray(inv_freq[l])
         y = rms_norm(h, w["input_norm"], eps, offset=1.0)
         if params.qkv is not None:  # the serving layout: one product, its columns split
-            qkv = jnp.einsum("btd,de->bte", y, params.qkv[l].astype(y.dtype))
+            qkv = jnp.einsum("btd,de->bte", y, params.qkv[l].astype(y.dtype), precision=product)
             q, k, v = jnp.split(qkv, [cfg.n_heads * H, (cfg.n_heads + K) * H], axis=-1)
         else:
-            q = jnp.einsum("btd,de->bte", y, w["q"].astype(y.dtype))
-            k = jnp.einsum("btd,de->bte", y, w["k"].astype(y.dtype))
-            v = jnp.einsum("btd,de->bte", y, w["v"].astype(y.dtype))
+            q = jnp.einsum("btd,de->bte", y, w["q"].astype(y.dtype), precision=product)
+            k = jnp.einsum("btd,de->bte", y, w["k"].astype(y.dtype), precision=product)
+            v = jnp.einsum("btd,de->bte", y, w["v"].astype(y.dtype), precision=product)
         q = q.reshape(B, T, cfg.n_heads, H)
         k, v = k.reshape(B, T, K, H), v.reshape(B, T, K, H)
         q = apply_rope(rms_norm(q, w["q_norm"], eps, offset=1.0), positions, inv)
@@ -263,17 +266,20 @@ def forward(
             mask = masks[int(window[l])][:, None, None]  # [B, 1, 1, T, S]
             a = gqa(qg, ks[l], vs[l], mask, scale=scale)
         a = a.reshape(B, T, cfg.n_heads * H)
-        a = jnp.einsum("bte,ed->btd", a, w["o"].astype(a.dtype))
+        a = jnp.einsum("bte,ed->btd", a, w["o"].astype(a.dtype), precision=product)
         h = h + rms_norm(a, w["post_attn_norm"], eps, offset=1.0)
         y = rms_norm(h, w["pre_ff_norm"], eps, offset=1.0)
         if params.gate_up is not None:
-            gu = jnp.einsum("btd,df->btf", y, params.gate_up[l].astype(y.dtype))
+            gu = jnp.einsum("btd,df->btf", y, params.gate_up[l].astype(y.dtype), precision=product)
             g, u = jnp.split(gu, 2, axis=-1)
         else:
-            g = jnp.einsum("btd,df->btf", y, w["gate"].astype(y.dtype))
-            u = jnp.einsum("btd,df->btf", y, w["up"].astype(y.dtype))
+            g = jnp.einsum("btd,df->btf", y, w["gate"].astype(y.dtype), precision=product)
+            u = jnp.einsum("btd,df->btf", y, w["up"].astype(y.dtype), precision=product)
         m = jnp.einsum(
-            "btf,fd->btd", jax.nn.gelu(g, approximate=True) * u, w["down"].astype(y.dtype)
+            "btf,fd->btd",
+            jax.nn.gelu(g, approximate=True) * u,
+            w["down"].astype(y.dtype),
+            precision=product,
         )
         h = h + rms_norm(m, w["post_ff_norm"], eps, offset=1.0)
     h = rms_norm(h, params.final_norm, eps, offset=1.0)

@@ -72,16 +72,18 @@ def init(key: jax.Array, cfg: SpeechDecoderConfig, precision: Precision) -> MoGP
     )
 
 
-def trunk(params: MoGParams, x: jax.Array, *, cfg: SpeechDecoderConfig) -> jax.Array:
+def trunk(params: MoGParams, x: jax.Array, *, cfg: SpeechDecoderConfig, product=None) -> jax.Array:
     """``MoGHead.mlp_stack``: x [..., D] -> [..., D], its layers unrolled (each reads its own
-    weights: no slice of a stacked one in the serving layout, ``per_layer``)."""
+    weights: no slice of a stacked one in the serving layout, ``per_layer``). ``product``: the
+    products' ``precision=`` (static; ``Precision.tts_product``), None for the scope's."""
     for l in range(cfg.mog_mlp_layers):
         y = rms_norm(x, params.pre_norm[l], cfg.norm_eps, offset=1.0)
         if params.gate_up is not None:  # the serving layout: one product, its columns split
-            gate, up = jnp.split(dense(y, params.gate_up[l]), 2, axis=-1)
+            gate, up = jnp.split(dense(y, params.gate_up[l], precision=product), 2, axis=-1)
         else:
-            gate, up = dense(y, params.gate[l]), dense(y, params.up[l])
-        y = dense(jax.nn.gelu(gate, approximate=True) * up, params.down[l])
+            gate = dense(y, params.gate[l], precision=product)
+            up = dense(y, params.up[l], precision=product)
+        y = dense(jax.nn.gelu(gate, approximate=True) * up, params.down[l], precision=product)
         x = x + rms_norm(y, params.post_norm[l], cfg.norm_eps, offset=1.0)
     return rms_norm(x, params.final_norm, cfg.norm_eps, offset=1.0)
 

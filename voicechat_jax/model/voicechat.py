@@ -239,6 +239,7 @@ def advance(
             cfg=cfg,
             deterministic=deterministic,
             attention=kernels.tts_attention,
+            product=precision.tts_product(),
         )
         text_prev, func_prev = keep_rows(run, (text, func), (text_prev, func_prev))
         return (llm_state, tts_state, text_prev, func_prev, frame + step), (
@@ -336,7 +337,13 @@ def initial_state(
             tts_s, codec_s = carry
             keys = None if deterministic else _frame_keys(template_key, n[None])
             tts_s, _, dec = ear_tts.tts_step(
-                params.tts, tts_s, pad, keys, cfg=cfg, deterministic=deterministic
+                params.tts,
+                tts_s,
+                pad,
+                keys,
+                cfg=cfg,
+                deterministic=deterministic,
+                product=precision.tts_product(),
             )
             codec_s, _ = codec.decode_step(
                 params.codec, codec_s, dec[:, None], cfg=cfg.codec, matmul=precision.codec_matmul
