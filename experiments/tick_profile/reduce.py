@@ -968,12 +968,14 @@ def reduce_window(
     spans: Sequence[tuple[float, float]],
     *,
     top: int = 25,
+    per_component: int = 8,
 ) -> dict:
     """Per-component totals over the kernels that start inside ``spans``, divided by their count.
 
     Returns a dict: ``components`` (name -> per-span ``Component``), ``spans`` (per span: wall,
-    kernel span, busy and idle us, launches), ``kernels`` (the ``top`` instructions by time) and
-    ``unmatched`` (kernel names with no HLO instruction, with their time).
+    kernel span, busy and idle us, launches), ``kernels`` (the ``top`` instructions by time, and
+    each component's ``per_component`` largest beside them, so that a small component's kernels
+    are named too) and ``unmatched`` (kernel names with no HLO instruction, with their time).
     """
     n = max(len(spans), 1)
     classes: dict[tuple[str, str], str] = {}
@@ -1038,9 +1040,14 @@ def reduce_window(
         c.launches = round(c.launches / n)
         c.executions = round(c.executions / n)
     kernels = []
-    for (module, name), (comp, us, launches, execs) in sorted(
-        per_instr.items(), key=lambda kv: -kv[1][1]
-    )[:top]:
+    by_time = sorted(per_instr.items(), key=lambda kv: -kv[1][1])
+    kept = collections.Counter()
+    chosen = []
+    for i, (key, rec) in enumerate(by_time):
+        if i < top or kept[rec[0]] < per_component:
+            chosen.append((key, rec))
+            kept[rec[0]] += 1
+    for (module, name), (comp, us, launches, execs) in chosen:
         h = next(h for h in hlos if h.module == module)
         by, fl = costs[(module, name)]
         kernels.append(
