@@ -49,6 +49,8 @@ _PRESETS = {"tf32_x3": "TF32_TF32_F32_X3", "bf16_x6": "BF16_BF16_F32_X6"}
 # ``matmul``; 'tf32_x3' runs them as three TF32 passes on a GPU (``experiments/fp32_products``:
 # less error than cuBLAS's full-fp32 product at these shapes, 2026-12-05), full fp32 elsewhere.
 TTS_MATMUL = (None, "tf32_x3")
+# A product's explicit ``precision=`` (static): None for the scope's (``Precision.scope()``).
+ProductPrecision = jax.lax.Precision | jax.lax.DotAlgorithmPreset | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +83,7 @@ class Precision:
         """
         return jax.default_matmul_precision(self.matmul)
 
-    def tts_product(self, platform: str | None = None):
+    def tts_product(self, platform: str | None = None) -> ProductPrecision:
         """The explicit ``precision=`` of the speech decoder's weight products (static): None
         (the scope's, ``matmul``) unless ``tts_matmul`` names an algorithm (``lax_precision``)."""
         return None if self.tts_matmul is None else lax_precision(self.tts_matmul, platform)

@@ -8,8 +8,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from voicechat_jax.precision import ProductPrecision
 
-def dense(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, precision=None) -> jax.Array:
+
+def dense(
+    x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, precision: ProductPrecision = None
+) -> jax.Array:
     """``x @ w (+ b)`` with ``w`` stored [in, out] (a torch Linear [out, in] transposed);
     ``precision`` (static) as ``jnp.einsum``'s, None for the scope's
     (``Precision.scope()``)."""

@@ -60,7 +60,7 @@ from flax import struct
 from voicechat_jax.config import EOS_ID, PAD_ID, ModelConfig, SpeechDecoderConfig
 from voicechat_jax.model import char_encoder, gemma, mog
 from voicechat_jax.model.common import dense, fan_in_normal, normal, rms_norm
-from voicechat_jax.precision import Precision
+from voicechat_jax.precision import Precision, ProductPrecision
 
 _FUSION_EPS = 1e-6  # GatedProjectedSumRMSNorm's RMSNorm keeps NeMo's default eps
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -314,7 +314,7 @@ def generate_codes(
     *,
     cfg: ModelConfig,
     deterministic: bool,
-    product=None,
+    product: ProductPrecision = None,
 ) -> jax.Array:
     """One frame's codes from the backbone's cond/uncond outputs [B, D] -> [B, Q] int32.
 
@@ -428,7 +428,7 @@ def tts_step(
     cfg: ModelConfig,
     deterministic: bool,
     attention: str = "xla",
-    product=None,
+    product: ProductPrecision = None,
 ) -> tuple[TTSState, jax.Array, jax.Array]:
     """One 80 ms frame for the slots in ``run`` (default all); ``attention`` and ``product`` (the
     weight products' precision, ``Precision.tts_product``) as ``gemma.forward``.

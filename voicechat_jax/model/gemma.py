@@ -37,7 +37,7 @@ from voicechat_jax.config import SpeechDecoderConfig
 from voicechat_jax.model import common
 from voicechat_jax.model.attention import attend, gqa
 from voicechat_jax.model.common import fan_in_normal, normal, rms_norm
-from voicechat_jax.precision import Precision
+from voicechat_jax.precision import Precision, ProductPrecision
 
 # A window wider than any cache: global layers attend to everything before them.
 _NO_WINDOW = np.iinfo(np.int32).max
@@ -192,7 +192,7 @@ def forward(
     cfg: SpeechDecoderConfig,
     valid: jax.Array | None = None,
     attention: str = "xla",
-    product=None,
+    product: ProductPrecision = None,
 ) -> tuple[GemmaCache, jax.Array]:
     """Runs ``T`` new positions per slot through the backbone, reading and extending the cache.
 

@@ -29,7 +29,7 @@ from flax import struct
 from voicechat_jax.config import SpeechDecoderConfig
 from voicechat_jax.model import common
 from voicechat_jax.model.common import dense, fan_in_normal, normal, rms_norm
-from voicechat_jax.precision import Precision
+from voicechat_jax.precision import Precision, ProductPrecision
 
 
 @struct.dataclass
@@ -72,7 +72,9 @@ def init(key: jax.Array, cfg: SpeechDecoderConfig, precision: Precision) -> MoGP
     )
 
 
-def trunk(params: MoGParams, x: jax.Array, *, cfg: SpeechDecoderConfig, product=None) -> jax.Array:
+def trunk(
+    params: MoGParams, x: jax.Array, *, cfg: SpeechDecoderConfig, product: ProductPrecision = None
+) -> jax.Array:
     """``MoGHead.mlp_stack``: x [..., D] -> [..., D], its layers unrolled (each reads its own
     weights: no slice of a stacked one in the serving layout, ``per_layer``). ``product``: the
     products' ``precision=`` (static; ``Precision.tts_product``), None for the scope's."""
