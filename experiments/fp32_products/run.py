@@ -29,8 +29,10 @@ flags.DEFINE_list(
 )
 flags.DEFINE_list(
     "algorithms",
-    ["float32", "tensorfloat32", "TF32_TF32_F32_X3", "BF16_BF16_F32_X6", "BF16_BF16_F32_X9"],
-    "float32 (HIGHEST), tensorfloat32 (HIGH), or a jax.lax.DotAlgorithmPreset name.",
+    ["float32", "TF32_TF32_F32_X3"],
+    "float32 (HIGHEST), tensorfloat32 (HIGH), or a jax.lax.DotAlgorithmPreset name. The H100 run "
+    "of 2026-12-05 had all five of float32, tensorfloat32, TF32_TF32_F32_X3, BF16_BF16_F32_X6 "
+    "and BF16_BF16_F32_X9: 80 programs, 7.5 minutes of compiles and autotuning.",
 )
 flags.DEFINE_integer("layers", 8, "Distinct weights per timed program (products per call).")
 flags.DEFINE_integer("calls", 20, "Timed calls per row (after 3 warm-up calls).")
