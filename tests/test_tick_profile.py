@@ -81,6 +81,23 @@ ENTRY %main.1 (x: f32[8,64], w: f32[64,32], cache: f32[8,1024], u: f32[8,1], i: 
 """  # noqa: E501 (HLO as XLA prints it)
 
 
+GEMM_FUSION = """
+
+%fused_gemm (p0: f32[8,64], p1: f32[64,32]) -> f32[8,32] {
+  %p0 = f32[8,64]{1,0} parameter(0)
+  %p1 = f32[64,32]{1,0} parameter(1)
+  %d = f32[8,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(tick)/dot_general" stack_frame_id=2}
+  ROOT %n = f32[8,32]{1,0} negate(%d), metadata={op_name="jit(tick)/neg" stack_frame_id=3}
+}
+
+ENTRY %main.2 (x: f32[8,64], w: f32[64,32]) -> f32[8,32] {
+  %x = f32[8,64]{1,0} parameter(0), metadata={op_name="x"}
+  %w = f32[64,32]{1,0} parameter(1), metadata={op_name="w"}
+  ROOT %g = f32[8,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_gemm, metadata={op_name="jit(tick)/neg" stack_frame_id=3}
+}
+"""  # noqa: E501 (HLO as XLA prints it): a GEMM fusion whose root is not its product
+
+
 @pytest.fixture
 def sources(tmp_path):
     """A repository whose gemma.py line 2-3 is an attention call and nano.py a projection."""
@@ -119,6 +136,14 @@ def test_classify(hlo, sources):
     assert comp("rd") == "TTS backbone attention"  # no metadata of its own: its root's
     assert comp("stale") == "LLM Mamba"
     assert comp("cp") == "LLM Mamba"  # added by XLA: its operand's stack
+
+
+def test_a_gemm_fusion_is_its_products(sources):
+    """A fusion that holds a product is classified by the product, not by its root: a fused
+    q|k|v's kernel whose root is the split of its columns, or a norm fused before a product."""
+    h = reduce_lib.parse_hlo(HLO.split("\n\n%fused_dus")[0] + GEMM_FUSION)
+    stack = reduce_lib.instr_stack(h, h.instrs["g"])
+    assert reduce_lib.classify(stack, sources) == "LLM Mamba"  # the dot's; the root's is gemma's
 
 
 def test_bytes_and_flops(hlo):

@@ -587,12 +587,16 @@ def classify(stack: Sequence[Frame], sources: Sources) -> str:
 
 
 def instr_stack(hlo: Hlo, ins: Instr, sources: Sources | None = None) -> list[Frame]:
-    """The call stack of ``ins``: its own, else (a fusion) its root's or its first fused
-    instruction's that has one; a stack from ``source_file`` / ``source_line`` as a fallback."""
+    """The call stack of ``ins``: its own, else (a fusion) its product's when it fuses one (a
+    GEMM fusion is its product's kernel, whatever its root: a norm before it or the split of a
+    fused product's columns after it), else its root's or its first fused instruction's that
+    has one; a stack from ``source_file`` / ``source_line`` as a fallback."""
     candidates = [ins]
     if ins.opcode in FUSIONS and ins.calls in hlo.computations:
         comp = ins.calls
         root = hlo.instrs.get(hlo.roots.get(comp, ""))
+        products = [i for i in hlo.computations[comp] if i.opcode in ("dot", "convolution")]
+        candidates = products + candidates  # the fusion's own metadata is its root's
         candidates += ([root] if root else []) + list(reversed(hlo.computations[comp]))
     for c in candidates:
         s = hlo.stack(c.stack_frame_id)
