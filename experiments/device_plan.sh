@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Queues docs/roadmap.md's next device call on the machine that came, in the roadmap's order:
+# the most needed figures first, so that a call cut short by the device time keeps them.
+#
+#   EXPERIMENTS_COMMIT=<short HEAD here> experiments/device_plan.sh   # then: device_queue.sh wait N
+#
+# The slot counts follow the card, read from nvidia-smi: an H200 (over 100 GB) takes the
+# issues' targets, an H100 the points its memory holds (docs/roadmap.md). Every command appends
+# its output to one log and its rows to one file per experiment under $QUEUE_ROWS, so that a
+# `wait` brings back at most 8 files (the device tool's limit). Run it from the repository root,
+# after the wheels are installed (experiments/device_wheels.sh).
+set -euo pipefail
+: "${EXPERIMENTS_COMMIT:?set EXPERIMENTS_COMMIT to the commit sent (git rev-parse --short HEAD)}"
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
+mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+R='$QUEUE_ROWS'  # expanded by the queue, which exports it
+log=">> $R/logs.txt 2>&1"
+cap="python3 experiments/capacity/serve.py --out=$R/capacity.jsonl"
+prof="python3 experiments/tick_profile/run.py --ticks=1 --probe_ticks=5 --commit=$EXPERIMENTS_COMMIT"
+prof="XLA_FLAGS=--xla_enable_command_buffers_during_profiling=false $prof"
+overlap="python3 experiments/stream_overlap/run.py --out=$R/stream_overlap.jsonl"
+keep_profile() {  # the profile's rows and table, named by what was profiled
+  echo "cp /tmp/tp_$1/rows.jsonl $R/tp_$1.jsonl; cp /tmp/tp_$1/table.md $R/tp_$1.md"
+}
+if ((mem > 100000)); then  # an H200: the 2026-12-04 profile held every cache full
+  faithful=(72 80) slots=72 bf16=112 full=true
+else  # an H100: as its 2026-12-05 profiles (40 slots, caches as they fill)
+  faithful=(48 52) slots=40 bf16=64 full=false
+fi
+prof="$prof --hold_full=$full"
+cmds=()
+for n in "${faithful[@]}"; do
+  cmds+=("$cap --sessions=$n --policies=reference --loops=dispatch $log")
+done
+cmds+=("$prof --slots=$slots --out_dir=/tmp/tp_ref $log; $(keep_profile ref)")
+cmds+=("$prof --slots=$slots --policy=tf32x3_tts_codec --out_dir=/tmp/tp_x3 $log; $(keep_profile x3)")
+cmds+=("$overlap --slots=$slots --label=default $log")
+cmds+=("XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true $overlap --slots=$slots --label=stream_annotation $log")
+cmds+=("$cap --sessions=$bf16 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
+cmds+=("$cap --sessions=${faithful[0]} --policies=reference --loops=resident $log")
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+experiments/device_queue.sh start "${cmds[@]}"
