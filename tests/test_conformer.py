@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import types
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -207,6 +208,28 @@ def test_jit_equals_eager(ref):
     _, jitted, jitted_p = _stream(params, conformer.init_state(ENC, 2, PREC), audio, [2], _jit_step)
     assert _rel(jitted, eager) < 1e-5
     assert _rel(jitted_p, eager_p) < 1e-5
+
+
+def test_unrolled_layers_equal_the_scan(ref):
+    """The serving layout a GPU gets (``conformer.serving_layout``): the L layers one
+    ``LayerParams`` each, run unrolled, give the scan's frames and caches (3 two-frame calls that
+    cross the attention window's start); the stacked weights are the split's layers, and the CPU
+    keeps the stack unless asked."""
+    params, audio = ref["params"], ref["audio"][:, : 6 * SPF]
+    assert conformer.serving_layout(params) is params  # the CPU: a scan, as stored
+    unrolled = conformer.serving_layout(params, unrolled=True)
+    assert len(unrolled.layers) == ENC.n_layers
+    chex.assert_trees_all_equal(
+        unrolled.layers[1], jax.tree_util.tree_map(lambda a: a[1], params.layers)
+    )
+    assert conformer.serving_layout(unrolled, unrolled=True) is unrolled
+    start = conformer.init_state(ENC, 2, PREC)
+    s_scan, enc_scan, proj_scan = _stream(params, start, audio, [2, 2, 2], _jit_step)
+    s_unr, enc_unr, proj_unr = _stream(unrolled, start, audio, [2, 2, 2], _jit_step)
+    assert _rel(enc_unr, enc_scan) < 1e-6
+    assert _rel(proj_unr, proj_scan) < 1e-6
+    assert _rel(np.asarray(s_unr.att_k), np.asarray(s_scan.att_k)) < 1e-6
+    assert _rel(np.asarray(s_unr.conv_cache), np.asarray(s_scan.conv_cache)) < 1e-6
 
 
 def test_random_init_is_sane():

@@ -140,7 +140,7 @@ class EncoderParams:
 
     mel: mel_lib.MelParams  # fp32 always
     sub: SubsamplingParams
-    layers: LayerParams
+    layers: LayerParams | tuple[LayerParams, ...]  # stacked on L, or L layers (serving_layout)
     proj: jax.Array  # [D, D_llm]
     proj_b: jax.Array  # [D_llm]
 
@@ -155,6 +155,32 @@ class EncoderState:
     att_v: jax.Array  # [B, L, S, D] their values (linear_v)
     conv_cache: jax.Array  # [B, L, K - 1, D] last K-1 GLU outputs per layer
     pos: jax.Array  # [B] int32 input frames (= encoder frames) consumed so far
+
+
+def serving_layout(params: EncoderParams, *, unrolled: bool | None = None) -> EncoderParams:
+    """The encoder as the engine serves it: on a GPU its L layers as L ``LayerParams`` of
+    per-layer leaves, which ``_layers`` runs unrolled; elsewhere stacked, run as a scan.
+
+    On a GPU a scan copies each layer's weights out of their stack before its products (2.7 ms
+    of the faithful 40-slot tick on an H100, 2026-12-05, ``experiments/tick_profile``); an
+    unrolled layer reads its own leaves where they lie. On the CPU there is no such cost to save,
+    and the unrolled step compiles several times slower (3.2 s against 0.7 at the 11B's shapes).
+    The CPU test suite's classic emitters (``tests/conftest.py``) also make an unrolled encoder's
+    last bits depend on the program around it, which its bit-for-bit checks between programs
+    would fail (``docs/decisions.md``). ``unrolled``: force the choice (default: on a GPU).
+    Params already in the asked-for layout are returned as they are.
+    """
+    if unrolled is None:
+        unrolled = jax.default_backend() == "gpu"
+    if not unrolled or isinstance(params.layers, tuple):
+        return params
+    return params.replace(layers=_split_layers(params.layers))
+
+
+@jax.jit
+def _split_layers(stacked: LayerParams) -> tuple[LayerParams, ...]:
+    L = stacked.out_norm.shape[0]
+    return tuple(jax.tree.map(lambda a, l=l: a[l], stacked) for l in range(L))
 
 
 def _check_streaming(cfg: EncoderConfig) -> None:
@@ -376,7 +402,8 @@ def _layers(
     mask: jax.Array,
     cfg: EncoderConfig,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The L Conformer layers (``lax.scan``): x [B, T, D], caches [B, L, ...] -> (y, caches)."""
+    """The L Conformer layers: x [B, T, D], caches [B, L, ...] -> (y, caches). Stacked weights
+    run as a ``lax.scan``; per-layer weights (``serving_layout`` on a GPU) run unrolled."""
     T = x.shape[1]
     S, eps = cfg.att_left_context, cfg.ln_eps
     pe = _rel_pos_table(S + T, cfg.d_model)
@@ -400,11 +427,14 @@ def _layers(
         conv = jax.lax.dynamic_update_index_in_dim(conv, cc.astype(conv.dtype), l, axis=1)
         return (h, ak, av, conv), None
 
+    carry = (x, att_k, att_v, conv_cache)
+    if isinstance(p, tuple):  # the serving layout: one leaf per layer, unrolled
+        for l, lp in enumerate(p):
+            carry, _ = layer(carry, (lp, l))
+        return carry
     L = att_k.shape[1]
-    (y, att_k, att_v, conv_cache), _ = jax.lax.scan(
-        layer, (x, att_k, att_v, conv_cache), (p, jnp.arange(L))
-    )
-    return y, att_k, att_v, conv_cache
+    carry, _ = jax.lax.scan(layer, carry, (p, jnp.arange(L)))
+    return carry
 
 
 def _attention_mask(pos: jax.Array, T: int, S: int) -> jax.Array:

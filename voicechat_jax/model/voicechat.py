@@ -95,7 +95,8 @@ def abstract(cfg: ModelConfig, precision: Precision, *, text_table: bool = True)
 def serving_layout(params: ModelParams) -> ModelParams:
     """The params as the engine serves them: the products of the LLM, the speech decoder backbone
     and the MoG trunk one leaf per layer, the speech decoder's that share an input fused
-    (``nano.per_layer``, ``gemma.per_layer``, ``mog.per_layer``); the rest as stored.
+    (``nano.per_layer``, ``gemma.per_layer``, ``mog.per_layer``), and on a GPU the encoder's
+    layers one ``LayerParams`` each (``conformer.serving_layout``); the rest as stored.
 
     Every function of the model takes either layout; on the CPU both give the same bits (on a
     GPU a fused product may round its fp32 sums differently). The stored layout (stacked on L)
@@ -105,7 +106,8 @@ def serving_layout(params: ModelParams) -> ModelParams:
     """
     tts = params.tts
     tts = tts.replace(backbone=gemma.per_layer(tts.backbone), mog=mog.per_layer(tts.mog))
-    return params.replace(llm=nano.per_layer(params.llm), tts=tts)
+    encoder = conformer.serving_layout(params.encoder)
+    return params.replace(encoder=encoder, llm=nano.per_layer(params.llm), tts=tts)
 
 
 @struct.dataclass
