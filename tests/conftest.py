@@ -33,7 +33,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # test_engine.py from 245 to 179 s here; the third cut the tiny 4-slot staged tick's compile from
 # 6.0 to 3.6 s and the tiny model's jitted init from 10.8 to 7.9 s, while a tick ran 10.1 ms
 # against 8.8 (2026-12-05). The programs run a little slower; none comes near a beat. They change
-# how XLA's CPU backend emits machine code, not the HLO it computes.
+# how XLA's CPU backend emits machine code, not the HLO it computes; with the classic emitters,
+# though, the last bits of a computation can depend on the program around it (an unrolled
+# encoder: docs/decisions.md), which is why the encoder is unrolled on GPUs only.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = " ".join(
         [
