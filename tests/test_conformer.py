@@ -212,16 +212,19 @@ def test_jit_equals_eager(ref):
 
 def test_unrolled_layers_equal_the_scan(ref):
     """The serving layout a GPU gets (``conformer.serving_layout``): the L layers one
-    ``LayerParams`` each, run unrolled, give the scan's frames and caches (3 two-frame calls that
-    cross the attention window's start); the stacked weights are the split's layers, and the CPU
-    keeps the stack unless asked."""
+    ``LayerParams`` each (q | k | v one product), run unrolled, give the scan's frames and caches
+    (3 two-frame calls that cross the attention window's start); the split's layers are the
+    stack's, and the CPU keeps the stack unless asked."""
     params, audio = ref["params"], ref["audio"][:, : 6 * SPF]
     assert conformer.serving_layout(params) is params  # the CPU: a scan, as stored
     unrolled = conformer.serving_layout(params, unrolled=True)
     assert len(unrolled.layers) == ENC.n_layers
-    chex.assert_trees_all_equal(
-        unrolled.layers[1], jax.tree_util.tree_map(lambda a: a[1], params.layers)
-    )
+    one, stacked = unrolled.layers[1], jax.tree_util.tree_map(lambda a: a[1], params.layers)
+    chex.assert_trees_all_equal(one.ff1, stacked.ff1)
+    chex.assert_trees_all_equal(one.conv, stacked.conv)
+    a = stacked.attn
+    assert one.attn.q is None
+    chex.assert_trees_all_equal(one.attn.qkv, jnp.concatenate([a.q, a.k, a.v], -1))
     assert conformer.serving_layout(unrolled, unrolled=True) is unrolled
     start = conformer.init_state(ENC, 2, PREC)
     s_scan, enc_scan, proj_scan = _stream(params, start, audio, [2, 2, 2], _jit_step)

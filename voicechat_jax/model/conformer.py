@@ -96,7 +96,9 @@ class FeedForwardParams:
 
 @struct.dataclass
 class AttentionParams:
-    """``norm_self_att`` + ``RelPositionMultiHeadAttention`` (no biases, untied u/v per layer)."""
+    """``norm_self_att`` + ``RelPositionMultiHeadAttention`` (no biases, untied u/v per layer).
+    Per layer in the serving layout on a GPU (``serving_layout``), where ``q``, ``k`` and ``v``
+    are None and ``qkv`` [D, 3D] holds them side by side: one product."""
 
     norm: jax.Array  # [L, D]
     norm_b: jax.Array  # [L, D]
@@ -107,6 +109,7 @@ class AttentionParams:
     pos: jax.Array  # [L, D, D]  linear_pos
     pos_bias_u: jax.Array  # [L, N, H]
     pos_bias_v: jax.Array  # [L, N, H]
+    qkv: jax.Array | None = None  # [D, 3D]  q | k | v (the serving layout, per layer)
 
 
 @struct.dataclass
@@ -159,7 +162,8 @@ class EncoderState:
 
 def serving_layout(params: EncoderParams, *, unrolled: bool | None = None) -> EncoderParams:
     """The encoder as the engine serves it: on a GPU its L layers as L ``LayerParams`` of
-    per-layer leaves, which ``_layers`` runs unrolled; elsewhere stacked, run as a scan.
+    per-layer leaves, which ``_layers`` runs unrolled, each layer's q, k and v one product
+    (``qkv``: one launch for three); elsewhere stacked, run as a scan.
 
     On a GPU a scan copies each layer's weights out of their stack before its products (2.7 ms
     of the faithful 40-slot tick on an H100, 2026-12-05, ``experiments/tick_profile``); an
@@ -179,8 +183,14 @@ def serving_layout(params: EncoderParams, *, unrolled: bool | None = None) -> En
 
 @jax.jit
 def _split_layers(stacked: LayerParams) -> tuple[LayerParams, ...]:
-    L = stacked.out_norm.shape[0]
-    return tuple(jax.tree.map(lambda a, l=l: a[l], stacked) for l in range(L))
+    """L layers of per-layer leaves, each layer's q | k | v one [D, 3D] product."""
+    layers = []
+    for l in range(stacked.out_norm.shape[0]):
+        lp = jax.tree.map(lambda a, l=l: a[l], stacked)
+        a = lp.attn
+        qkv = jnp.concatenate([a.q, a.k, a.v], axis=-1)
+        layers.append(lp.replace(attn=a.replace(qkv=qkv, q=None, k=None, v=None)))
+    return tuple(layers)
 
 
 def _check_streaming(cfg: EncoderConfig) -> None:
@@ -362,9 +372,13 @@ def _attention(
     N, H = p.pos_bias_u.shape
     S = k_cache.shape[1]
     xn = layer_norm(x, p.norm, p.norm_b, eps)
-    q = dense(xn, p.q).reshape(B, T, N, H)
-    keys = jnp.concatenate([k_cache, dense(xn, p.k).astype(k_cache.dtype)], axis=1)  # [B, S+T, D]
-    values = jnp.concatenate([v_cache, dense(xn, p.v).astype(v_cache.dtype)], axis=1)
+    if p.qkv is not None:  # the serving layout: one product, its columns split
+        q, k_new, v_new = jnp.split(dense(xn, p.qkv), 3, axis=-1)
+    else:
+        q, k_new, v_new = dense(xn, p.q), dense(xn, p.k), dense(xn, p.v)
+    q = q.reshape(B, T, N, H)
+    keys = jnp.concatenate([k_cache, k_new.astype(k_cache.dtype)], axis=1)  # [B, S+T, D]
+    values = jnp.concatenate([v_cache, v_new.astype(v_cache.dtype)], axis=1)
     k = keys.astype(x.dtype).reshape(B, S + T, N, H)
     v = values.astype(x.dtype).reshape(B, S + T, N, H)
     pos = dense(jnp.asarray(pe, x.dtype), p.pos).reshape(-1, N, H)[rel_idx]  # [T, S + T, N, H]
