@@ -47,35 +47,28 @@ flags.DEFINE_string("out", None, "JSON-lines output file (appended).")
 PREC = Precision.reference()
 
 
-def decoder_step(params, cache, x, *, cfg):
-    return gemma.forward(params, cache, x, cfg=cfg)
-
-
-def codec_step(params, state, codes, *, cfg):
-    return codec.decode_step(params, state, codes, cfg=cfg)
-
-
 def both(tp, cache, x, cp, cstate, codes, *, tcfg, ccfg, streams: bool):
-    """The backbone step, and beside it (no data between them) the codec step."""
-    cache, h = decoder_step(tp, cache, x, cfg=tcfg)
+    """The backbone step, and beside it (no data between them) the codec step:
+    ((cache, codec state), (h, wav))."""
+    cache, h = gemma.forward(tp, cache, x, cfg=tcfg)
+    decode = functools.partial(codec.decode_step, cfg=ccfg)
     if streams:
         with compute_on("gpu_stream:1"):
-            cstate, wav = jax.jit(functools.partial(codec_step, cfg=ccfg))(cp, cstate, codes)
+            cstate, wav = jax.jit(decode)(cp, cstate, codes)
     else:
-        cstate, wav = codec_step(cp, cstate, codes, cfg=ccfg)
-    return cache, h, cstate, wav
+        cstate, wav = decode(cp, cstate, codes)
+    return (cache, cstate), (h, wav)
 
 
-def timed(fn, states, args, calls: int):
-    """Median ms of ``fn(*states, *args)`` over ``calls`` calls (2 warm-up), the states threaded
-    through; returns (ms, the last call's outputs on the host)."""
+def timed(fn, state, calls: int):
+    """Median ms of ``fn(state) -> (state, outputs)`` over ``calls`` calls (2 warm-up), the
+    state threaded through; returns (ms, the last call's outputs)."""
     times, out = [], None
     for i in range(2 + calls):
         t = time.perf_counter()
-        out = jax.block_until_ready(fn(*states, *args))
+        state, out = jax.block_until_ready(fn(state))
         if i >= 2:
             times.append((time.perf_counter() - t) * 1e3)
-        states = out[: len(states)]
     return float(np.median(times)), out
 
 
@@ -90,32 +83,23 @@ def measure(B: int, tp, cp, cfg) -> dict:
         cache = gemma.init_cache(t, 2 * B, S, PREC)
         return cache.replace(pos=jnp.full((2 * B,), S - 1, jnp.int32))  # full: read it all
 
-    dec = jax.jit(functools.partial(decoder_step, cfg=t), donate_argnums=(1,))
-    cod = jax.jit(functools.partial(codec_step, cfg=c), donate_argnums=(1,))
+    dec = jax.jit(functools.partial(gemma.forward, cfg=t), donate_argnums=(1,))
+    cod = jax.jit(functools.partial(codec.decode_step, cfg=c), donate_argnums=(1,))
     ms = {}
-    ms["decoder"], _ = timed(lambda ca: dec(tp, ca, x), (fresh_cache(),), (), FLAGS.calls)
-    ms["codec"], _ = timed(
-        lambda st: cod(cp, st, codes), (codec.init_state(c, B, PREC),), (), FLAGS.calls
-    )
+    ms["decoder"], _ = timed(lambda ca: dec(tp, ca, x), fresh_cache(), FLAGS.calls)
+    ms["codec"], _ = timed(lambda st: cod(cp, st, codes), codec.init_state(c, B, PREC), FLAGS.calls)
     outs = {}
     for name, streams in (("serial", False), ("streams", True)):
         fn = jax.jit(
             functools.partial(both, tcfg=t, ccfg=c, streams=streams), donate_argnums=(1, 4)
         )
-        call = functools.partial(_call, fn, tp, x, cp, codes)
-        start = (fresh_cache(), None, codec.init_state(c, B, PREC), None)
-        ms[name], out = timed(call, start, (), FLAGS.calls)
-        outs[name] = [np.asarray(a) for a in (out[1], out[3])]  # h and wav; the cache goes
-        del out
+        start = (fresh_cache(), codec.init_state(c, B, PREC))
+        ms[name], out = timed(lambda s, fn=fn: fn(tp, s[0], x, cp, s[1], codes), start, FLAGS.calls)
+        outs[name] = [np.asarray(a) for a in out]  # h and wav
     same = all(np.array_equal(a, b) for a, b in zip(*outs.values(), strict=True))
     hidden = (ms["serial"] - ms["streams"]) / min(ms["decoder"], ms["codec"])
     row = {"label": FLAGS.label, "slots": B, "frames": FLAGS.frames, "context": S}
     return row | {f"{k}_ms": v for k, v in ms.items()} | {"hidden": hidden, "same": same}
-
-
-def _call(fn, tp, x, cp, codes, cache, h, cstate, wav):
-    del h, wav  # the previous call's outputs that are not state
-    return fn(tp, cache, x, cp, cstate, codes)
 
 
 def main(argv):
