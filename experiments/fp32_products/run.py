@@ -22,6 +22,7 @@ from absl import app, flags
 
 from experiments import harness
 from voicechat_jax import config as config_lib
+from voicechat_jax.model import ear_tts
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -45,7 +46,7 @@ def shapes(cfg: config_lib.ModelConfig) -> list[tuple[str, int, int, int, int]]:
     serving layout (``voicechat.serving_layout``: q|k|v and gate|up fused)."""
     t, e = cfg.tts, cfg.encoder
     q, kv = t.n_heads * t.head_dim, t.n_kv_heads * t.head_dim
-    mog_rounds = 5  # ear_tts.schedule at the release's sampler settings
+    mog_rounds = len(ear_tts.schedule(t))  # the MoG head's rounds a frame (5 at the release's)
     return [
         ("tts_qkv", 2, t.d_model, q + 2 * kv, t.n_layers),
         ("tts_o", 2, q, t.d_model, t.n_layers),
