@@ -12,7 +12,8 @@ and handed out by configuration:
   share it;
 - ``engine(serve, staged=...)``: one ``Engine`` per configuration, ``reset`` (every slot back to
   the template, the compiled tick kept) each time it is handed out. Tests that count compiles of
-  a fresh engine, or that change an engine beyond its state, build their own.
+  a fresh engine, or that change an engine beyond its state, build their own;
+- ``sub_jaxprs(eqn)``: the jaxprs nested in an equation, for the tests that walk a traced frame.
 
 Nothing here may be mutated by a test.
 """
@@ -35,6 +36,13 @@ from voicechat_jax.engine import Engine, build_template
 from voicechat_jax.model import voicechat
 
 CFG: ModelConfig = tiny()
+
+
+def sub_jaxprs(eqn) -> list:
+    """The jaxprs an equation holds in its params (a scan's, a loop's, a jitted call's body),
+    each as a ``Jaxpr`` (a ``ClosedJaxpr`` unwrapped)."""
+    subs = jax.tree_util.tree_leaves(eqn.params, is_leaf=lambda x: hasattr(x, "eqns"))
+    return [s for s in (getattr(s, "jaxpr", s) for s in subs) if hasattr(s, "eqns")]
 
 
 def _policy(precision: precision_lib.Precision | str) -> precision_lib.Precision:

@@ -218,12 +218,10 @@ def _sliced_weights(params, template) -> set[str]:
         for e in jaxpr.eqns:
             if e.primitive.name in cut:
                 found.update(p for v in e.invars if (p := of(v)) is not None)
-            for sub in jax.tree_util.tree_leaves(e.params, is_leaf=lambda x: hasattr(x, "eqns")):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    outer = e.invars[len(e.invars) - len(sub.invars) :]
-                    pairs = zip(sub.invars, outer, strict=True)
-                    walk(sub, {i: of(o) for i, o in pairs if of(o) is not None})
+            for sub in shared.sub_jaxprs(e):
+                outer = e.invars[len(e.invars) - len(sub.invars) :]
+                pairs = zip(sub.invars, outer, strict=True)
+                walk(sub, {i: of(o) for i, o in pairs if of(o) is not None})
 
     walk(jaxpr, dict(zip(jaxpr.invars[: len(paths)], paths, strict=True)))
     return found

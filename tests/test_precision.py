@@ -82,10 +82,8 @@ def _dots(jaxpr) -> list:
     for e in jaxpr.eqns:
         if e.primitive.name == "dot_general":
             found.append(e)
-        for sub in jax.tree_util.tree_leaves(e.params, is_leaf=lambda x: hasattr(x, "eqns")):
-            sub = getattr(sub, "jaxpr", sub)
-            if hasattr(sub, "eqns"):
-                found += _dots(sub)
+        for sub in shared.sub_jaxprs(e):
+            found += _dots(sub)
     return found
 
 
