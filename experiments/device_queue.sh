@@ -19,6 +19,10 @@ case "${1:-}" in
   start)
     shift
     mkdir -p "$dir/rows"
+    # the queue file, the pid file and the runner's next read change under one lock, so that a
+    # command added while the runner finishes is run, by it or by a new one, and run once
+    exec 9>"$dir/lock"
+    flock 9
     printf '%s\n' "$@" >>"$dir/queue"
     if [[ -f $dir/pid ]] && kill -0 "$(cat "$dir/pid")" 2>/dev/null; then
       echo "queue running (pid $(cat "$dir/pid")): $# command(s) added"
@@ -26,24 +30,34 @@ case "${1:-}" in
     fi
     export JAX_COMPILATION_CACHE_DIR=$PWD/.jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=2
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QUEUE_ROWS=$dir/rows
+    # a runner started again (the last one finished) goes on after the last command started,
+    # recorded in $dir/started: no queued command runs twice
     setsid bash -c '
-      n=0
       while true; do
-        n=$((n + 1)); cmd=$(sed -n "${n}p" "$0/queue")
-        [[ -z $cmd ]] && break
+        exec 9>"$0/lock"
+        flock 9
+        n=$(($(cat "$0/started" 2>/dev/null || echo 0) + 1))
+        cmd=$(sed -n "${n}p" "$0/queue")
+        if [[ -z $cmd ]]; then
+          rm -f "$0/pid"
+          echo "== $(date +%T) queue done"
+          exit 0
+        fi
+        echo "$n" >"$0/started"
+        flock -u 9
         echo "== $(date +%T) start $n: $cmd"
-        bash -c "$cmd"
+        bash -c "$cmd" 9>&-
         rc=$?
         echo "== $(date +%T) end $n: rc=$rc"
-      done
-      echo "== $(date +%T) queue done"' "$dir" >>"$dir/log" 2>&1 </dev/null &
+      done' "$dir" >>"$dir/log" 2>&1 </dev/null 9>&- &
     echo $! >"$dir/pid"
     echo "queue started (pid $!)"
     ;;
   wait)
     end=$((SECONDS + ${2:-540}))
-    while kill -0 "$(cat "$dir/pid")" 2>/dev/null && ((SECONDS < end)); do sleep 5; done
-    kill -0 "$(cat "$dir/pid")" 2>/dev/null && echo "queue still running" || echo "queue done"
+    running() { [[ -f $dir/pid ]] && kill -0 "$(cat "$dir/pid" 2>/dev/null)" 2>/dev/null; }
+    while running && ((SECONDS < end)); do sleep 1; done
+    running && echo "queue still running" || echo "queue done"
     grep '^== ' "$dir/log"
     tail -c 6000 "$dir/log"
     cp "$dir/log" "$OUT/queue.log"

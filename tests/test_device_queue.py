@@ -41,6 +41,21 @@ def test_queue_outlives_the_call_and_wait_copies_rows(tmp_path):
     assert rows[1].endswith(".jax_cache")  # the compilation cache is set for every command
 
 
+def test_a_start_after_the_queue_finished_runs_only_the_new_command(tmp_path):
+    """The 2026-12-05 defect: a second `start` after the runner had finished ran the whole queue
+    again from its first command (and the device time went to repeats)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, DEVICE_QUEUE_DIR=str(tmp_path / "queue"), OUT=str(out))
+    assert _run("start", "echo one >> $QUEUE_ROWS/ran", env=env).returncode == 0
+    assert "queue done" in _run("wait", "30", env=env).stdout
+    again = _run("start", "echo two >> $QUEUE_ROWS/ran", env=env)
+    assert "queue started" in again.stdout
+    assert "queue done" in _run("wait", "30", env=env).stdout
+    assert (out / "ran").read_text().split() == ["one", "two"]
+    assert "start 2: echo two" in (out / "queue.log").read_text()
+
+
 def test_unknown_verb_is_refused(tmp_path):
     env = dict(os.environ, DEVICE_QUEUE_DIR=str(tmp_path / "queue"))
     r = _run("frobnicate", env=env)

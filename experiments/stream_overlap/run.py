@@ -22,6 +22,7 @@ bit for bit (``same``): a stream changes where a kernel runs, not what it comput
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 
 import jax
@@ -47,14 +48,28 @@ flags.DEFINE_string("out", None, "JSON-lines output file (appended).")
 PREC = Precision.reference()
 
 
+def on_stream(fn, stream: int):
+    """``fn`` placed on GPU stream ``stream``: jax 0.11 made ``compute_on`` a function transform
+    (``compute_type=``, ``out_memory_spaces=``); jax 0.10 has it as a context manager."""
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(
+            fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device
+        )
+
+    def call(*args):
+        with compute_on(f"gpu_stream:{stream}"):
+            return jax.jit(fn)(*args)
+
+    return call
+
+
 def both(tp, cache, x, cp, cstate, codes, *, tcfg, ccfg, streams: bool):
     """The backbone step, and beside it (no data between them) the codec step:
     ((cache, codec state), (h, wav))."""
     cache, h = gemma.forward(tp, cache, x, cfg=tcfg)
     decode = functools.partial(codec.decode_step, cfg=ccfg)
     if streams:
-        with compute_on("gpu_stream:1"):
-            cstate, wav = jax.jit(decode)(cp, cstate, codes)
+        cstate, wav = on_stream(decode, 1)(cp, cstate, codes)
     else:
         cstate, wav = decode(cp, cstate, codes)
     return (cache, cstate), (h, wav)

@@ -423,7 +423,12 @@ def main(argv):
             "context_frames": FLAGS.context_frames,
             "policy": FLAGS.policy,
             "hold_full": FLAGS.hold_full,
-            "env": {k: os.environ[k] for k in ENV_KEYS if k in os.environ},
+            # a cache folder inside the checkout is named relative to it (no machine's path)
+            "env": {
+                k: os.environ[k].replace(os.getcwd() + os.sep, "")
+                for k in ENV_KEYS
+                if k in os.environ
+            },
         }
         rows = Rows(out_dir / "rows.jsonl", provenance)
         cfg = config_lib.PRESETS[FLAGS.model]()
