@@ -5,7 +5,8 @@
 #   EXPERIMENTS_COMMIT=<short HEAD here> experiments/device_plan.sh   # then: device_queue.sh wait N
 #
 # The slot counts follow the card, read from nvidia-smi: an H200 (over 100 GB) takes the
-# issues' targets, an H100 the points its memory holds (docs/roadmap.md). Every command appends
+# issues' targets, an H100 the points its memory holds and its rows of 2026-12-05 left open
+# (docs/roadmap.md). Every command appends
 # its output to one log and its rows to one file per experiment under $QUEUE_ROWS, so that a
 # `wait` brings back at most 8 files (the device tool's limit). Run it from the repository root,
 # after the wheels are installed (experiments/device_wheels.sh).
@@ -24,19 +25,28 @@ keep_profile() {  # the profile's rows and table, named by what was profiled
 }
 if ((mem > 100000)); then  # an H200: the 2026-12-04 profile held every cache full
   faithful=(72 80) slots=72 bf16=112 full=true
-else  # an H100: as its 2026-12-05 profiles (40 slots, caches as they fill)
-  faithful=(48 52) slots=40 bf16=64 full=false
+  cmds=()
+  for n in "${faithful[@]}"; do
+    cmds+=("$cap --sessions=$n --policies=reference --loops=dispatch $log")
+  done
+  prof="$prof --hold_full=$full"
+  cmds+=("$prof --slots=$slots --out_dir=/tmp/tp_ref $log; $(keep_profile ref)")
+  cmds+=("$prof --slots=$slots --policy=tf32x3_tts_codec --out_dir=/tmp/tp_x3 $log; $(keep_profile x3)")
+else  # an H100 (2026-12-05, d4d68c4: 48 faithful held, 51 fit its memory, 87 with the bf16 cache)
+  slots=40 bf16=84
+  cmds=("$cap --sessions=$bf16 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
+  cmds+=("$cap --sessions=51 --policies=reference --loops=dispatch $log")
+  # the G = 1 speech-decoder kernel below AUTO_KERNELS' 56 slots, on caches as they fill
+  prof="$prof --hold_full=false --tts_attention=pallas_mha"
+  cmds+=("$prof --slots=$slots --out_dir=/tmp/tp_mha $log; $(keep_profile mha)")
 fi
-prof="$prof --hold_full=$full"
-cmds=()
-for n in "${faithful[@]}"; do
-  cmds+=("$cap --sessions=$n --policies=reference --loops=dispatch $log")
-done
-cmds+=("$prof --slots=$slots --out_dir=/tmp/tp_ref $log; $(keep_profile ref)")
-cmds+=("$prof --slots=$slots --policy=tf32x3_tts_codec --out_dir=/tmp/tp_x3 $log; $(keep_profile x3)")
 cmds+=("$overlap --slots=$slots --label=default $log")
 cmds+=("XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true $overlap --slots=$slots --label=stream_annotation $log")
-cmds+=("$cap --sessions=$bf16 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
-cmds+=("$cap --sessions=${faithful[0]} --policies=reference --loops=resident $log")
+if ((mem > 100000)); then
+  cmds+=("$cap --sessions=$bf16 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
+  cmds+=("$cap --sessions=${faithful[0]} --policies=reference --loops=resident $log")
+else
+  cmds+=("$cap --sessions=51 --policies=reference --loops=resident $log")
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 experiments/device_queue.sh start "${cmds[@]}"
