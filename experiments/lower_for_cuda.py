@@ -1,7 +1,8 @@
 """Lowers the dispatch tick for CUDA on a machine without a GPU: a check before device time.
 
-The tick is traced as it would be on a GPU (the Pallas kernels as Triton calls, not in the
-interpreter; the codec's multi-pass product presets, which the CPU refuses) and lowered for the
+The tick is traced as it would be on a GPU (the weights in a GPU's serving layout; the Pallas
+kernels as Triton calls, not in the interpreter; the codec's multi-pass product presets, which
+the CPU refuses) and lowered for the
 ``cuda`` platform, with abstract weights and state, so a configuration that cannot lower fails
 here and not on the lent machine. It does not compile: XLA's GPU compile, Triton's included,
 needs the device. Prints the size of the lowered module, its Triton calls and its products by
@@ -71,6 +72,8 @@ def main(argv):
     params = voicechat.abstract(cfg, precision)
     # The server's template (its matmul scope, cap and prompt), traced as the engine builds it.
     template = jax.eval_shape(engine_lib.template_fn(cfg, serve), params)
+    with traced_as_gpu():  # the weights as a GPU engine serves them (per layer, unrolled parts)
+        params = jax.eval_shape(voicechat.serving_layout, params)
     state = jax.eval_shape(lambda t: state_lib.from_template(t, serve.slots), template)
     samples = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
     beat = state_lib.empty_beat(serve.slots, samples, serve.capsule_tokens)

@@ -235,6 +235,31 @@ def test_unrolled_layers_equal_the_scan(ref):
     assert _rel(np.asarray(s_unr.conv_cache), np.asarray(s_scan.conv_cache)) < 1e-6
 
 
+@pytest.mark.parametrize("unrolled", [False, True])
+def test_rows_that_do_not_run_keep_their_state(ref, unrolled):
+    """``run`` off for a slot: every leaf of its state comes back bit-identical (the attention
+    caches masked in each layer's write, the small leaves at the end), and the running slot
+    gets what an all-running call gives it; on both layouts."""
+    params = conformer.serving_layout(ref["params"], unrolled=unrolled)
+    audio = ref["audio"]
+    state, _, _ = _stream(params, conformer.init_state(ENC, 2, PREC), audio, [2, 2], _jit_step)
+    x = jnp.asarray(audio[:, 4 * SPF : 6 * SPF])
+    step = jax.jit(lambda p, s, a, r: conformer.encoder_step(p, s, a, r, cfg=ENC, precision=PREC))
+    held, enc, _ = step(params, state, x, jnp.asarray([True, False]))
+    moved, enc_all, _ = _jit_step(params, state, x)
+    for before, after, full in zip(
+        jax.tree_util.tree_leaves(state),
+        jax.tree_util.tree_leaves(held),
+        jax.tree_util.tree_leaves(moved),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(after)[1], np.asarray(before)[1])
+        np.testing.assert_array_equal(np.asarray(after)[0], np.asarray(full)[0])
+    np.testing.assert_array_equal(np.asarray(enc)[0], np.asarray(enc_all)[0])
+    assert int(held.pos[1]) == 4
+    assert int(held.pos[0]) == 6
+
+
 def test_random_init_is_sane():
     params = conformer.init(jax.random.key(1), ENC, PREC)
     rng = np.random.default_rng(1)

@@ -22,7 +22,7 @@ from tests.test_staged_tick import mirror_agrees
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ServeConfig, tiny
-from voicechat_jax.model import voicechat
+from voicechat_jax.model import conformer, rnnt, voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import runner
 from voicechat_jax.serving.server import Engine, Server, SessionPlan, session_key
@@ -203,7 +203,9 @@ def test_served_frames_equal_the_model_alone(engine, params):
 
 def _sliced_weights(params, template) -> set[str]:
     """The params (by path) that one ``voicechat.advance`` frame slices or indexes into, through
-    every nested jaxpr (a sub-jaxpr's inputs are the last of its equation's)."""
+    every nested jaxpr (a sub-jaxpr's inputs are the last of its equation's). A slice that keeps
+    every element (``w[0]`` of a [1, ...] conv weight) is a reshape, not a copy, and is not
+    counted."""
     step = functools.partial(voicechat.advance, cfg=CFG, precision=PREC, deterministic=False)
     audio, key = jnp.zeros((1, BEAT), jnp.float32), jax.random.key_data(jax.random.key(0))[None]
     jaxpr = jax.make_jaxpr(step)(params, template, audio, key).jaxpr
@@ -216,7 +218,7 @@ def _sliced_weights(params, template) -> set[str]:
             return None if hasattr(v, "val") else leaf.get(v)
 
         for e in jaxpr.eqns:
-            if e.primitive.name in cut:
+            if e.primitive.name in cut and e.outvars[0].aval.size < e.invars[0].aval.size:
                 found.update(p for v in e.invars if (p := of(v)) is not None)
             for sub in shared.sub_jaxprs(e):
                 outer = e.invars[len(e.invars) - len(sub.invars) :]
@@ -257,6 +259,16 @@ def test_served_products_are_one_leaf_per_layer(engine, params):
     # Already in the serving layout: kept as it is (an engine built from such params holds them,
     # not a second copy).
     assert voicechat.serving_layout(engine.params).llm.mlp.up is up
+    # A GPU's layout also splits the encoder's layers and the RNNT's LSTM layers (the CPU keeps
+    # them stacked, as scans): then neither takes a slice of its weights either.
+    gpu = engine.params.replace(
+        encoder=conformer.serving_layout(engine.params.encoder, unrolled=True),
+        rnnt=rnnt.serving_layout(engine.params.rnnt, unrolled=True),
+    )
+    assert isinstance(gpu.rnnt.lstm.w_in, tuple)
+    assert isinstance(gpu.encoder.layers, tuple)
+    sliced = _sliced_weights(gpu, template)
+    assert not {p for p in sliced if p.startswith((".encoder.layers", ".rnnt.lstm"))}
 
 
 @pytest.mark.parametrize("how", ["inactive", "held"])

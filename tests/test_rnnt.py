@@ -198,6 +198,27 @@ def test_greedy_matches_nemo(ref, nemo_frames, chunk, stream):
     assert _ours_frames(tokens[0], n_tokens[0]) == nemo_frames[stream]
 
 
+def test_unrolled_lstm_matches_nemo_and_the_scan(ref, nemo_frames):
+    """The serving layout a GPU gets (``rnnt.serving_layout``): the LSTM's layers as per-layer
+    leaves, run unrolled, give NeMo's labels and the scan's state; the CPU keeps the stack
+    unless asked, and params already split are returned as they are."""
+    params = ref[2]
+    assert rnnt.serving_layout(params) is params
+    split = rnnt.serving_layout(params, unrolled=True)
+    assert len(split.lstm.w_in) == RC.pred_layers
+    np.testing.assert_array_equal(split.lstm.w_hidden[1], params.lstm.w_hidden[1])
+    np.testing.assert_array_equal(split.lstm.b[0], params.lstm.b[0])
+    assert rnnt.serving_layout(split, unrolled=True) is split
+    x = ref[3].numpy()
+    s_scan, _, _ = _ours(params, x, CHUNK)
+    s_unr, tokens, n_tokens = _ours(split, x, CHUNK)
+    assert _ours_frames(tokens[0], n_tokens[0]) == nemo_frames[0]
+    for a, b in zip(
+        jax.tree_util.tree_leaves(s_unr), jax.tree_util.tree_leaves(s_scan), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
 def test_carried_state_matches_nemo_partial_hypotheses(ref, nemo_frames):
     """NeMo chunked with ``partial_hypotheses`` == NeMo whole == ours; the carried state matches."""
     dec, joint, params, enc, _ = ref

@@ -43,11 +43,15 @@ from voicechat_jax.precision import Precision
 
 @struct.dataclass
 class LSTMParams:
-    """A stacked LSTM (``torch.nn.LSTM``, no projection), gates packed i, f, g, o."""
+    """A stacked LSTM (``torch.nn.LSTM``, no projection), gates packed i, f, g, o.
 
-    w_in: jax.Array  # [L, D, 4D]  weight_ih_l{l}, transposed
-    w_hidden: jax.Array  # [L, D, 4D]  weight_hh_l{l}, transposed
-    b: jax.Array  # [L, 4D]  bias_ih_l{l} + bias_hh_l{l}
+    Stored stacked on ``L``; ``serving_layout`` gives a GPU the L layers as tuples of per-layer
+    leaves (``[D, 4D]``, ``[4D]``), which ``_lstm`` runs unrolled.
+    """
+
+    w_in: jax.Array | tuple[jax.Array, ...]  # [L, D, 4D]  weight_ih_l{l}, transposed
+    w_hidden: jax.Array | tuple[jax.Array, ...]  # [L, D, 4D]  weight_hh_l{l}, transposed
+    b: jax.Array | tuple[jax.Array, ...]  # [L, 4D]  bias_ih_l{l} + bias_hh_l{l}
 
 
 @struct.dataclass
@@ -134,6 +138,29 @@ def _embed_rows(cfg: RNNTConfig) -> int:
     return cfg.vocab_size + 1 if cfg.blank_as_pad else cfg.vocab_size
 
 
+def serving_layout(params: RNNTParams, *, unrolled: bool | None = None) -> RNNTParams:
+    """The head as the engine serves it: on a GPU the LSTM's layers as per-layer leaves, which
+    ``_lstm`` runs unrolled; elsewhere stacked, run as a scan.
+
+    A scan over stacked weights copies each layer's two [D, 4D] products' weights out of their
+    stack on every symbol step of every frame: at 11B two 13.1 MB copies, 40 times a beat, 0.4
+    ms of the faithful 40-slot tick on an H100 (2026-12-05, ``d4d68c4``,
+    ``experiments/tick_profile``). As for the encoder (``conformer.serving_layout``), the CPU
+    keeps the scan. ``unrolled``: force the choice (default: on a GPU). Params already in the
+    asked-for layout are returned as they are.
+    """
+    if unrolled is None:
+        unrolled = jax.default_backend() == "gpu"
+    lstm = params.lstm
+    if not unrolled or isinstance(lstm.w_in, tuple):
+        return params
+    n = lstm.w_in.shape[0]
+    split = lambda a: tuple(a[l] for l in range(n))  # noqa: E731
+    return params.replace(
+        lstm=LSTMParams(w_in=split(lstm.w_in), w_hidden=split(lstm.w_hidden), b=split(lstm.b))
+    )
+
+
 def _lstm(
     p: LSTMParams, x: jax.Array, h: jax.Array, c: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -147,6 +174,13 @@ def _lstm(
         h_l = jax.nn.sigmoid(o) * jnp.tanh(c_l)
         return h_l, (h_l, c_l)
 
+    if isinstance(p.w_in, tuple):  # the serving layout: one leaf per layer, unrolled
+        hs, cs = [], []
+        for l in range(len(p.w_in)):
+            x, (h_l, c_l) = layer(x, (p.w_in[l], p.w_hidden[l], p.b[l], h[:, l], c[:, l]))
+            hs.append(h_l)
+            cs.append(c_l)
+        return x, jnp.stack(hs, axis=1), jnp.stack(cs, axis=1)
     y, (h, c) = jax.lax.scan(
         layer, x, (p.w_in, p.w_hidden, p.b, jnp.swapaxes(h, 0, 1), jnp.swapaxes(c, 0, 1))
     )

@@ -96,7 +96,8 @@ def serving_layout(params: ModelParams) -> ModelParams:
     """The params as the engine serves them: the products of the LLM, the speech decoder backbone
     and the MoG trunk one leaf per layer, the speech decoder's that share an input fused
     (``nano.per_layer``, ``gemma.per_layer``, ``mog.per_layer``), and on a GPU the encoder's
-    layers one ``LayerParams`` each (``conformer.serving_layout``); the rest as stored.
+    layers one ``LayerParams`` each (``conformer.serving_layout``) and the RNNT's LSTM layers one
+    leaf each (``rnnt.serving_layout``); the rest as stored.
 
     Every function of the model takes either layout; on the CPU both give the same bits (on a
     GPU a fused product may round its fp32 sums differently). The stored layout (stacked on L)
@@ -107,7 +108,8 @@ def serving_layout(params: ModelParams) -> ModelParams:
     tts = params.tts
     tts = tts.replace(backbone=gemma.per_layer(tts.backbone), mog=mog.per_layer(tts.mog))
     encoder = conformer.serving_layout(params.encoder)
-    return params.replace(encoder=encoder, llm=nano.per_layer(params.llm), tts=tts)
+    head = rnnt.serving_layout(params.rnnt)
+    return params.replace(encoder=encoder, llm=nano.per_layer(params.llm), rnnt=head, tts=tts)
 
 
 @struct.dataclass
@@ -170,8 +172,9 @@ def listen_frame(
 def keep_rows(run: jax.Array, new, old):
     """``new`` where ``run`` [B] is set, ``old`` elsewhere, over a small pytree (slot axis first).
 
-    Only for the small leaves (encoder, RNNT, codec, tokens): each select reads both and writes
-    one leaf-sized array. The large caches mask their own updates instead.
+    Only for the small leaves (RNNT, codec, tokens): each select reads both and writes one
+    leaf-sized array. The caches (the encoder's, the LLM's, the speech decoder's) mask their own
+    updates instead.
     """
 
     def sel(n, o):
@@ -209,9 +212,8 @@ def advance(
     B = audio.shape[0]
     run = jnp.ones((B,), bool) if run is None else run
     enc_state, enc, proj = conformer.encoder_step(
-        params.encoder, state.encoder, audio, cfg=cfg.encoder, precision=precision
+        params.encoder, state.encoder, audio, run, cfg=cfg.encoder, precision=precision
     )
-    enc_state = keep_rows(run, enc_state, state.encoder)
     rnnt_state, transcript, n_transcript = rnnt.rnnt_step(
         params.rnnt, state.rnnt, enc, cfg=cfg.rnnt
     )
