@@ -200,6 +200,16 @@ def test_gpu_trace(hlo, sources):
     assert mamba.memcpy_us == pytest.approx(5.0)  # the memcpy node
     assert mamba.flops == 2 * 8 * 32 * 64
     assert red["components"]["TTS backbone attention"].us == pytest.approx(10.0)
+    # By operation: the component's kernels grouped by what they compute, scopes stripped.
+    ops = {(o["component"], o["op"]): o for o in red["ops"]}
+    assert sum(o["us_per_span"] for o in red["ops"]) == pytest.approx(
+        sum(c.us for name, c in red["components"].items() if name != "other")
+    )
+    gemm = ops[("LLM Mamba", "dot_general")]
+    assert gemm["flops_per_span"] == mamba.flops
+    assert reduce_lib.op_label("jit(tick)/while/body/eval_jaxpr/bkgts,bksh->bkgth/dot_general",
+                               "fusion") == "bkgts,bksh->bkgth/dot_general"  # fmt: skip
+    assert reduce_lib.op_label("", "copy") == "copy"
     span = red["spans"][0]
     assert span["busy_us"] == pytest.approx(30.0)
     assert span["kernel_span_us"] == pytest.approx(50.0)

@@ -965,6 +965,54 @@ def executions(evs: Sequence[Event], starts: int) -> int:
     return (round(len(graph) / len({e.node for e in graph})) if graph else 0) + starts
 
 
+_SCOPE = re.compile(r"jit\(tick\)/|while/body/|eval_jaxpr/|cond/branch_\d+_fun/")
+
+
+def op_label(op_name: str, opcode: str) -> str:
+    """What a kernel computes, from its HLO ``op_name`` without the tick's scopes:
+    ``jit(tick)/while/body/eval_jaxpr/bkgts,bksh->bkgth/dot_general`` is
+    ``bkgts,bksh->bkgth/dot_general``; a kernel without one is its opcode (``copy``)."""
+    return _SCOPE.sub("", op_name) or opcode
+
+
+def operations(per_instr: dict, hlos, costs: dict, n: int, *, per_component: int) -> list[dict]:
+    """Each component's time by operation (``op_label``): the kernels of one einsum, norm or
+    copy summed over the layers and steps that run it, per span. Every component's
+    ``per_component`` largest, longest first. ``per_instr``: (module, instruction) -> [component,
+    us, launches, executions] summed over ``n`` spans; ``costs``: (module, instruction) ->
+    (bytes, flops) of one execution."""
+    ops: dict[tuple[str, str], list] = {}
+    for (module, name), (comp, us, launches, execs) in per_instr.items():
+        h = next(h for h in hlos if h.module == module)
+        ins = h.instrs[name]
+        by, fl = costs[(module, name)]
+        rec = ops.setdefault((comp, op_label(ins.op_name, ins.opcode)), [0.0, 0, 0, 0.0, 0.0])
+        rec[0] += us / n
+        rec[1] += launches / n
+        rec[2] += execs / n
+        rec[3] += execs * by / n
+        rec[4] += execs * fl / n
+    rows = sorted(ops.items(), key=lambda kv: -kv[1][0])
+    kept: collections.Counter = collections.Counter()
+    out = []
+    for (comp, label), (us, launches, execs, by, fl) in rows:
+        if kept[comp] >= per_component:
+            continue
+        kept[comp] += 1
+        out.append(
+            {
+                "component": comp,
+                "op": label,
+                "us_per_span": us,
+                "launches_per_span": launches,
+                "executions_per_span": execs,
+                "bytes_per_span": by,
+                "flops_per_span": fl,
+            }
+        )
+    return out
+
+
 def reduce_window(
     events: Sequence[Event],
     hlos: Sequence[Hlo],
@@ -1072,6 +1120,7 @@ def reduce_window(
         "components": comps,
         "spans": span_rows,
         "kernels": kernels,
+        "ops": operations(per_instr, hlos, costs, n, per_component=per_component),
         "unmatched": dict(unmatched.most_common(15)),
     }
 

@@ -285,7 +285,15 @@ def reduce_measure(measure: dict, out_dir: pathlib.Path, rows: Rows) -> dict | N
         rows.write(component_row(n, c, None, None, "admission"))
     for k in tick_red["kernels"]:
         rows.write({"kind": "kernel", "slots": n, **k})
-    return {"slots": n, "tick": tick_row, "components": comps, "admission": adm_red}
+    for op in tick_red["ops"]:
+        rows.write({"kind": "op", "slots": n, **op})
+    return {
+        "slots": n,
+        "tick": tick_row,
+        "components": comps,
+        "admission": adm_red,
+        "ops": tick_red["ops"],
+    }
 
 
 def reduce_into(measure: dict, out_dir: pathlib.Path, rows: Rows, summaries: list) -> None:
@@ -384,7 +392,28 @@ def table(summaries: list[dict]) -> str:
         line("byte floor (3.7 TB/s)", "floor_ms"),
         line("launches per tick", "launches", "{:.0f}"),
     ]
-    return "\n".join(out) + "\n"
+    return "\n".join(out) + "\n" + "".join(map(ops_table, summaries))
+
+
+def ops_table(summary: dict, min_ms: float = 0.1) -> str:
+    """Each component's largest operations at one slot count (the reducer's ``ops``; the rows
+    keep every one, the table those of at least ``min_ms`` a tick)."""
+    rows = [
+        f"\n{summary['slots']} slots, by operation (each component's largest, >= {min_ms} ms):\n",
+        "| component | operation | ms | launches | GB | TB/s | TFLOP/s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for op in summary.get("ops", []):
+        us = op["us_per_span"]
+        if us < min_ms * 1e3:
+            continue
+        tbs = f"{op['bytes_per_span'] / (us * 1e6):.2f}" if us else ""
+        tfs = f"{op['flops_per_span'] / (us * 1e6):.1f}" if us and op["flops_per_span"] else ""
+        rows.append(
+            f"| {op['component']} | `{op['op'][-60:]}` | {us / 1e3:.2f} | "
+            f"{op['launches_per_span']:.0f} | {op['bytes_per_span'] / 1e9:.3g} | {tbs} | {tfs} |"
+        )
+    return "\n".join(rows) + "\n"
 
 
 def main(argv):
