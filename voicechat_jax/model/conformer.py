@@ -154,8 +154,10 @@ class EncoderState:
 
     mel_tail: jax.Array  # [B, tail_len] fp32 raw samples (see ``mel``)
     pre_cache: jax.Array  # [B, pre_encode_cache, M] fp32 last mel frames (zeros before the stream)
-    att_k: jax.Array  # [B, L, S, D] keys (linear_k) of the last S normed attention inputs
-    att_v: jax.Array  # [B, L, S, D] their values (linear_v)
+    # keys (linear_k) and values (linear_v) of the last S normed attention inputs, a ring:
+    # encoder frame f at row f mod S (``_attention``)
+    att_k: jax.Array  # [B, L, S, D]
+    att_v: jax.Array  # [B, L, S, D]
     conv_cache: jax.Array  # [B, L, K - 1, D] last K-1 GLU outputs per layer
     pos: jax.Array  # [B] int32 input frames (= encoder frames) consumed so far
 
@@ -358,6 +360,7 @@ def _attention(
     x: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
+    start: jax.Array,
     mask: jax.Array,
     rel_idx: np.ndarray,
     pe: np.ndarray,
@@ -366,7 +369,13 @@ def _attention(
     """Rel-pos MHA over [cache, new frames]: x [B, T, D], k/v caches [B, S, D] -> (y, k, v).
 
     Only the ``T`` new frames are projected; the cache already holds the earlier frames' keys and
-    values. Returns the output and the caches shifted by ``T``.
+    values, as a ring: ``start`` [B] is the row of the oldest (NeMo's ``cache_last_channel``
+    row 0), the frames after it follow cyclically. The scores are taken against the rows where
+    they lie and put in time order for the positional terms, the mask and the softmax; the
+    probabilities go back to the rows for the value product. Returns the output and the ``T``
+    new frames' keys and values [B, T, D] (as the cache stores them), which replace the ``T``
+    oldest rows: no row of the cache moves, and only the values are copied (beside the new
+    frames', for one product).
     """
     B, T, D = x.shape
     N, H = p.pos_bias_u.shape
@@ -376,19 +385,31 @@ def _attention(
         q, k_new, v_new = jnp.split(dense(xn, p.qkv), 3, axis=-1)
     else:
         q, k_new, v_new = dense(xn, p.q), dense(xn, p.k), dense(xn, p.v)
+    k_new, v_new = k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)
     q = q.reshape(B, T, N, H)
-    keys = jnp.concatenate([k_cache, k_new.astype(k_cache.dtype)], axis=1)  # [B, S+T, D]
-    values = jnp.concatenate([v_cache, v_new.astype(v_cache.dtype)], axis=1)
-    k = keys.astype(x.dtype).reshape(B, S + T, N, H)
-    v = values.astype(x.dtype).reshape(B, S + T, N, H)
+
+    def heads(a: jax.Array) -> jax.Array:  # [B, s, D] as stored -> [B, s, N, H] in x's dtype
+        return a.astype(x.dtype).reshape(B, a.shape[1], N, H)
+
+    qu = q + p.pos_bias_u.astype(x.dtype)
+    ac_rows = jnp.einsum("btnh,bsnh->bnts", qu, heads(k_cache))  # [B, N, T, S], by row
+    in_time = (start[:, None] + jnp.arange(S)) % S  # [B, S]: the row of the s-th oldest frame
+    ac_old = jnp.take_along_axis(ac_rows, in_time[:, None, None, :], axis=-1)
+    ac_new = jnp.einsum("btnh,bsnh->bnts", qu, heads(k_new))  # [B, N, T, T]
+    ac = jnp.concatenate([ac_old, ac_new], axis=-1)  # [B, N, T, S + T] in time order
     pos = dense(jnp.asarray(pe, x.dtype), p.pos).reshape(-1, N, H)[rel_idx]  # [T, S + T, N, H]
-    ac = jnp.einsum("btnh,bsnh->bnts", q + p.pos_bias_u.astype(x.dtype), k)
     bd = jnp.einsum("btnh,tsnh->bnts", q + p.pos_bias_v.astype(x.dtype), pos)
     scores = ((ac + bd) / math.sqrt(H)).astype(jnp.float32)
     m = mask[:, None]  # [B, 1, T, S + T]
     probs = masked_softmax(scores, m, x.dtype, fill=_MASKED_SCORE, zero_masked=True)
-    y = jnp.einsum("bnts,bsnh->btnh", probs, v).reshape(B, T, D)
-    return dense(y, p.o), keys[:, T:], values[:, T:]
+    by_row = (jnp.arange(S) - start[:, None]) % S  # [B, S]: the age rank of each row's frame
+    p_rows = jnp.take_along_axis(probs[..., :S], by_row[:, None, None, :], axis=-1)
+    # One value product over [cache rows, new frames]. As two products summed, the CPU's
+    # classic emitters (the test suite's) round a program's audio differently from another's
+    # (8e-8, ``tests/test_mesh.py``); the values' concatenation is the one copy a step makes.
+    p_all = jnp.concatenate([p_rows, probs[..., S:]], axis=-1)  # [B, N, T, S + T]
+    y = jnp.einsum("bnts,bsnh->btnh", p_all, heads(jnp.concatenate([v_cache, v_new], axis=1)))
+    return dense(y.reshape(B, T, D), p.o), k_new, v_new
 
 
 def _convolution(
@@ -413,6 +434,7 @@ def _layers(
     att_k: jax.Array,
     att_v: jax.Array,
     conv_cache: jax.Array,
+    start: jax.Array,
     mask: jax.Array,
     run: jax.Array,
     cfg: EncoderConfig,
@@ -420,16 +442,24 @@ def _layers(
     """The L Conformer layers: x [B, T, D], caches [B, L, ...] -> (y, caches). Stacked weights
     run as a ``lax.scan``; per-layer weights (``serving_layout`` on a GPU) run unrolled.
 
-    ``run`` [B] bool: a row that is not set keeps its caches; each layer's write of its slab
-    masks itself, so no select over the whole cache follows (on an H100 at 40 slots that select
-    and the two copies of the cache it forced took 0.87 ms a tick, 2026-12-05, ``d4d68c4``).
+    ``start`` [B]: the attention caches' ring row of their oldest frame; a layer writes its ``T``
+    new frames' keys and values over the ``T`` oldest rows (a shift of the whole cache, as
+    NeMo's ``cache_last_channel`` moves, read and wrote the cache every layer: about 2 ms of the
+    H200's faithful 72-slot tick, 2026-12-04, ``3a7efcd``, ``experiments/tick_profile``).
+
+    ``run`` [B] bool: a row that is not set keeps its caches; each layer's write masks itself,
+    so no select over the whole cache follows (on an H100 at 40 slots that select and the two
+    copies of the cache it forced took 0.87 ms a tick, 2026-12-05, ``d4d68c4``).
     """
     T = x.shape[1]
     S, eps = cfg.att_left_context, cfg.ln_eps
     pe = _rel_pos_table(S + T, cfg.d_model)
     # distance query - key for query t (at S + t) and key s; keys right of the query are masked
     rel_idx = np.clip(S + np.arange(T)[:, None] - np.arange(S + T)[None, :], 0, S + T - 1)
-    keep = ~run[:, None, None]  # [B, 1, 1] against a layer's [B, S, D] slab
+    keep = ~run[:, None, None]  # [B, 1, 1] against a layer's conv cache [B, K - 1, D]
+    # the T new frames' ring rows, [B, T]; past the cache (dropped) for a row that does not run
+    slot = jnp.arange(x.shape[0])[:, None]
+    rows = jnp.where(run[:, None], (start[:, None] + jnp.arange(T)) % S, S)
 
     def layer(carry, xs):
         # The caches stay [B, L, ...] and are carried: layer l's slab is read and written back in
@@ -437,17 +467,15 @@ def _layers(
         h, ak, av, conv = carry
         lp, l = xs
         h = h + 0.5 * _feed_forward(lp.ff1, h, eps)
-        y, k_l, v_l = _attention(lp.attn, h, ak[:, l], av[:, l], mask, rel_idx, pe, eps)
+        y, k_new, v_new = _attention(lp.attn, h, ak[:, l], av[:, l], start, mask, rel_idx, pe, eps)
         h = h + y
         y, cc = _convolution(lp.conv, h, conv[:, l], eps)
         h = h + y
         h = h + 0.5 * _feed_forward(lp.ff2, h, eps)
         h = layer_norm(h, lp.out_norm, lp.out_norm_b, eps)
-        k_l = jnp.where(keep, ak[:, l], k_l)
-        v_l = jnp.where(keep, av[:, l], v_l)
+        ak = ak.at[slot, l, rows].set(k_new, mode="drop")
+        av = av.at[slot, l, rows].set(v_new, mode="drop")
         cc = jnp.where(keep, conv[:, l], cc.astype(conv.dtype))
-        ak = jax.lax.dynamic_update_index_in_dim(ak, k_l, l, axis=1)
-        av = jax.lax.dynamic_update_index_in_dim(av, v_l, l, axis=1)
         conv = jax.lax.dynamic_update_index_in_dim(conv, cc, l, axis=1)
         return (h, ak, av, conv), None
 
@@ -484,10 +512,10 @@ def encoder_step(
       params: the perception weights.
       state: each slot's stream state (``init_state`` for a fresh stream); slots may be at
         different positions.
-      samples: [B, k * 1280] new 16 kHz samples (k >= 1, static).
+      samples: [B, k * 1280] new 16 kHz samples (1 <= k <= the attention context, static).
       run: [B] bool, the slots that advance (default all). The others' state comes back
-        bit-identical (their outputs are meaningless); the attention caches mask their own
-        per-layer writes (``_layers``), the small leaves are selected at the end.
+        bit-identical (their outputs are meaningless): the caches' writes in each layer leave
+        their rows alone (``_layers``), the small leaves are selected at the end.
       cfg: the encoder config.
       precision: the dtype policy (``precision.encoder`` for weights and activations; the mel is
         always fp32).
@@ -512,8 +540,11 @@ def encoder_step(
         x = x * math.sqrt(cfg.d_model)
     mask = _attention_mask(state.pos, k, S)
     run = jnp.ones(state.pos.shape, bool) if run is None else run
+    if k > S:
+        raise ValueError(f"{k} frames a call: at most the attention context, {S}")
+    start = state.pos % S  # the ring row of the oldest cached frame (frame pos - S)
     enc, att_k, att_v, conv_cache = _layers(
-        params.layers, x, state.att_k, state.att_v, state.conv_cache, mask, run, cfg
+        params.layers, x, state.att_k, state.att_v, state.conv_cache, start, mask, run, cfg
     )
     proj = dense(enc, params.proj, params.proj_b)
 
