@@ -383,7 +383,9 @@ def test_scripted_sessions_source():
             plans.admitted(join, table.admit(join.id), k)
             queues.open(table.session(join.id))
         plans.feed(k, queues)
+        plans.feed(k, queues)  # fed ahead of the beat, then in it: pushed once
         audio, _ = queues.take_beat(table.slot_sessions())
+        assert not any(queues.backlog(s) for s in table.slot_sessions() if s is not None)
         if k == 1:
             np.testing.assert_allclose(audio[0], 0.1)  # a's second beat
             np.testing.assert_allclose(audio[1, :100], 0.2)  # b's clip, then silence
@@ -393,6 +395,7 @@ def test_scripted_sessions_source():
         "leaves_pending": 0,
         "live": 1,
         "late_buffer": 1,
+        "fed": 1,
     }
 
 

@@ -146,7 +146,7 @@ def test_long_offline_run_keeps_memory_bounded(engine, tmp_path):
     limits = {
         **dict.fromkeys(("logs", "outputs", "metrics_sessions"), 8 + 3),  # 8 ended + 3 live
         **dict.fromkeys(("ended", "failures"), 8),
-        **dict.fromkeys(("sinks", "live", "late_buffer", "silent"), 3),
+        **dict.fromkeys(("sinks", "live", "late_buffer", "fed", "silent"), 3),
         "inflight": 0,
         "metrics_window": 64,
         "metrics_recent": 256,

@@ -84,7 +84,8 @@ class SessionSource(Protocol):
     def refused(self, join: Join, error: Exception, tick: int) -> None: ...
 
     def feed(self, tick: int, queues: InputQueues) -> None:
-        """Pushes the beat's audio of sessions fed in step with the beat (scripted ones)."""
+        """Pushes the beat's audio of sessions fed in step with the beat (scripted ones). Called
+        again for the same tick (ahead of the beat, then in it), it pushes nothing twice."""
 
     def ended(self, session: SessionId, why: str, detail: str, tick: int) -> None:
         """One of this source's sessions was released (its slot is free)."""
@@ -107,6 +108,7 @@ class ScriptedSessions:
         self._plans: dict[SessionId, SessionPlan] = {}  # asked for a slot, not yet answered
         self._live: dict[SessionId, tuple[SessionPlan, int]] = {}  # (plan, tick joined)
         self._late_buffer: dict[SessionId, list[np.ndarray]] = {}
+        self._fed: dict[SessionId, int] = {}  # the last tick whose audio each live plan pushed
         for plan in plans:
             self._by_join.setdefault(plan.join, []).append(plan)
             if plan.leave is not None:
@@ -131,8 +133,12 @@ class ScriptedSessions:
         self._plans.pop(join.id, None)
 
     def feed(self, tick: int, queues: InputQueues) -> None:
-        """Each live plan's audio for ``tick`` (a late beat arrives with the next one)."""
+        """Each live plan's audio for ``tick`` (a late beat arrives with the next one), once: a
+        plan already fed for ``tick`` (ahead of the beat, ``Server._wait_for``) is skipped."""
         for sid, (plan, joined) in self._live.items():
+            if self._fed.get(sid, -1) >= tick:
+                continue
+            self._fed[sid] = tick
             if plan.vanish is not None and tick - joined >= plan.vanish:
                 continue
             chunk = self._beat_audio(plan, tick, joined)
@@ -153,11 +159,12 @@ class ScriptedSessions:
         chunk = plan.audio[i : i + n]
         if chunk.size < n:
             chunk = np.pad(chunk, (0, n - chunk.size))
-        return chunk.astype(np.float32)
+        return chunk.astype(np.float32, copy=False)  # the queue copies what it keeps
 
     def ended(self, session: SessionId, why: str, detail: str, tick: int) -> None:
         self._live.pop(session, None)
         self._late_buffer.pop(session, None)
+        self._fed.pop(session, None)
 
     def retained(self) -> dict[str, int]:
         return {
@@ -165,6 +172,7 @@ class ScriptedSessions:
             "leaves_pending": sum(map(len, self._by_leave.values())),
             "live": len(self._live),
             "late_buffer": len(self._late_buffer),
+            "fed": len(self._fed),
         }
 
 

@@ -165,6 +165,13 @@ class BeatPlanner:
         self.send(Event({"event": "ended", "session": sid, "reason": why, "tick": tick}))
         self.send(Ended(sid, why, detail))
 
+    def feed_ahead(self, k: int) -> None:
+        """Tick k's audio of the sessions fed in step with the beat (scripted), pushed before the
+        beat, in the slack while the device runs the last one: ``prepare(k)`` then takes it as a
+        network client's, and feeds only the sessions it admits."""
+        for source in self.sources:
+            source.feed(k, self.queues)
+
     def prepare(self, k: int) -> tuple[state_lib.BeatInput, Snapshot]:
         """The host's work before tick k: membership changes, client input, the beat's arrays;
         returns the beat and who was in which slot for it."""

@@ -365,6 +365,14 @@ class Server:
         self.gc.in_slack(start - _now() if on_host else 0.0)
         return self.clock.wait_for_tick(k)
 
+    def _feed_ahead(self, k: int, last: int | None) -> None:
+        """The scripted sessions' audio for tick k, pushed before its beat starts (as a network
+        client's arrives), so that the beat's ``prepare`` only takes it. Only for the tick after
+        ``last``: ticks the clock skips discard their input (``_skipped``), and audio fed ahead
+        would be what they discarded."""
+        if k == (0 if last is None else last + 1):
+            self.planner.feed_ahead(k)
+
     def _skipped(self, last: int | None, k: int) -> None:
         """Ticks the clock skipped between ``last`` and ``k``: their input goes, they are missed."""
         if last is None or k == last + 1:
@@ -448,6 +456,7 @@ class Server:
                 k = self.clock.next_tick(last)
                 if k >= n_ticks:
                     break
+                self._feed_ahead(k, last)
                 timing = self._wait_for(k, sent[-1] if sent else None)
                 if self._stop.is_set():
                     break
@@ -535,6 +544,7 @@ class Server:
                 self.fanout.await_collected(last)
             k = self.clock.next_tick(last)
             if k < self._n_ticks and not self._stop.is_set():
+                self._feed_ahead(k, last)
                 timing = self._wait_for(k, last)
                 if not self._stop.is_set():
                     self._skipped(last, k)
