@@ -10,6 +10,7 @@ then ``perception.proj``. Weights reach the port through ``keys.encoder.rules``.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 
 import chex
@@ -260,6 +261,26 @@ def test_rows_that_do_not_run_keep_their_state(ref, unrolled):
     assert int(held.pos[0]) == 6
 
 
+@pytest.mark.parametrize("unrolled", [False, True])
+def test_caches_are_updated_in_place(ref, unrolled):
+    """With the state donated, the compiled step copies neither attention cache whole: each
+    layer writes its new frames into the ring where it lies (a cache shift, or a select of the
+    old state after the step, made XLA copy whole caches; the CPU compile shows it as the GPU's
+    would, per layer on the unrolled layers)."""
+    params = conformer.serving_layout(ref["params"], unrolled=unrolled)
+    state = conformer.init_state(ENC, 2, PREC)
+    step = jax.jit(
+        lambda p, s, a, r: conformer.encoder_step(p, s, a, r, cfg=ENC, precision=PREC),
+        donate_argnums=1,
+    )
+    args = (params, state, jnp.zeros((2, 2 * SPF)), jnp.asarray([True, False]))
+    hlo = step.lower(*args).compile().as_text()
+    shape = "f32[{}]".format(",".join(map(str, state.att_k.shape)))
+    whole = [line for line in hlo.splitlines() if f"= {shape}" in line]
+    assert whole  # the caches are in the program
+    assert not [line for line in whole if re.search(r"\bcopy\(", line)]
+
+
 def test_random_init_is_sane():
     params = conformer.init(jax.random.key(1), ENC, PREC)
     rng = np.random.default_rng(1)
@@ -323,7 +344,9 @@ def test_full_size_key_table(monkeypatch):
 def test_full_size_state_shapes():
     cfg = voicechat_11b().encoder
     state = jax.eval_shape(lambda: conformer.init_state(cfg, 3, Precision.reference()))
-    assert state.att_k.shape == state.att_v.shape == (3, 24, 70, 1024)
+    # a ring of the 70 frames of context and the 8 a call may add (ENCODER_CALL_FRAMES)
+    assert state.att_k.shape == state.att_v.shape == (3, 24, 78, 1024)
+    assert conformer.ring_rows(cfg) == 78
     assert state.conv_cache.shape == (3, 24, 8, 1024)
     assert state.pre_cache.shape == (3, 9, 128)
     assert state.mel_tail.shape == (3, 1377)

@@ -259,7 +259,8 @@ def test_second_signal_exits_at_once(tmp_path):
 
 BAD_FLAGS = [
     ("--slots=0", "--slots=0: must be >= 1"),
-    ("--frames_per_tick=0", "--frames_per_tick=0: must be >= 1"),
+    ("--frames_per_tick=0", "--frames_per_tick=0: must be in [1, 8] (the encoder's cache ring)"),
+    ("--frames_per_tick=9", "--frames_per_tick=9: must be in [1, 8]"),
     ("--context_frames=1", "context cap is below one beat"),
     ("--seconds=0", "--seconds=0.0: must be > 0"),
     ("--seconds=-3", "--seconds=-3.0: must be > 0"),

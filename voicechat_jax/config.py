@@ -406,6 +406,10 @@ _FUSED_ON_GPU = (
     "(experiments/ssm_step_kernel, 2026-12-05); use 'pallas', 'xla' or 'auto'"
 )
 
+# The most frames one encoder call takes: its attention cache is a ring of the attention context
+# plus these rows, so that a call writes its new frames before it reads (``model.conformer``).
+ENCODER_CALL_FRAMES = 8
+
 AUTO_KERNELS = {
     "ssm_kernel": ("pallas", 8),
     "attention": ("pallas", 16),
@@ -487,6 +491,10 @@ class ServeConfig:
     def __post_init__(self):
         _check(self.slots >= 1, "slots must be >= 1")
         _check(self.frames_per_tick >= 1, "frames_per_tick must be >= 1")
+        _check(
+            self.frames_per_tick <= ENCODER_CALL_FRAMES,
+            f"frames_per_tick must be <= {ENCODER_CALL_FRAMES} (the encoder's cache ring)",
+        )
         _check(self.context_frames >= self.frames_per_tick, "context cap below one beat")
         _check(self.capsule_tokens >= 1, "capsule_tokens must be >= 1")
         if isinstance(self.precision, str):

@@ -315,7 +315,12 @@ flags.register_validator(
     "must be > 0 and finite (with --listen, leave it out to serve until stopped)",
     flag_values=FLAGS,
 )
-flags.register_validator("frames_per_tick", lambda v: v >= 1, "must be >= 1", flag_values=FLAGS)
+flags.register_validator(
+    "frames_per_tick",
+    lambda v: 1 <= v <= config_lib.ENCODER_CALL_FRAMES,
+    f"must be in [1, {config_lib.ENCODER_CALL_FRAMES}] (the encoder's cache ring)",
+    flag_values=FLAGS,
+)
 flags.register_validator("warmup_ticks", lambda v: v >= 0, "must be >= 0", flag_values=FLAGS)
 flags.register_validator("drain_timeout_s", lambda v: v > 0, "must be > 0", flag_values=FLAGS)
 flags.register_validator("idle_timeout_s", lambda v: v > 0, "must be > 0", flag_values=FLAGS)

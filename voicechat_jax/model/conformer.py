@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from voicechat_jax.config import EncoderConfig
+from voicechat_jax.config import ENCODER_CALL_FRAMES, EncoderConfig
 from voicechat_jax.model import mel as mel_lib
 from voicechat_jax.model.attention import masked_softmax
 from voicechat_jax.model.common import dense, layer_norm
@@ -154,10 +154,10 @@ class EncoderState:
 
     mel_tail: jax.Array  # [B, tail_len] fp32 raw samples (see ``mel``)
     pre_cache: jax.Array  # [B, pre_encode_cache, M] fp32 last mel frames (zeros before the stream)
-    # keys (linear_k) and values (linear_v) of the last S normed attention inputs, a ring:
-    # encoder frame f at row f mod S (``_attention``)
-    att_k: jax.Array  # [B, L, S, D]
-    att_v: jax.Array  # [B, L, S, D]
+    # keys (linear_k) and values (linear_v) of the last normed attention inputs, a ring of
+    # R = S + ENCODER_CALL_FRAMES rows: encoder frame f at row f mod R (``ring_rows``, ``_layers``)
+    att_k: jax.Array  # [B, L, R, D]
+    att_v: jax.Array  # [B, L, R, D]
     conv_cache: jax.Array  # [B, L, K - 1, D] last K-1 GLU outputs per layer
     pos: jax.Array  # [B] int32 input frames (= encoder frames) consumed so far
 
@@ -299,6 +299,12 @@ def abstract(cfg: EncoderConfig, precision: Precision) -> EncoderParams:
     return jax.eval_shape(lambda k: init(k, cfg, precision), jax.random.key(0))
 
 
+def ring_rows(cfg: EncoderConfig) -> int:
+    """Rows of the attention caches' ring: the S frames of context and room for a call's new
+    frames, written before the call reads (NeMo shifts an S-row cache instead)."""
+    return cfg.att_left_context + ENCODER_CALL_FRAMES
+
+
 def init_state(cfg: EncoderConfig, batch: int, precision: Precision) -> EncoderState:
     """A fresh stream: zero tail, zero log-mel pre-encode cache, empty caches, position 0."""
     _check_streaming(cfg)
@@ -307,8 +313,8 @@ def init_state(cfg: EncoderConfig, batch: int, precision: Precision) -> EncoderS
     return EncoderState(
         mel_tail=mel_lib.init_tail(cfg.mel, batch),
         pre_cache=jnp.zeros((batch, cfg.pre_encode_cache, cfg.mel.n_mels), mel_lib.MEL_DTYPE),
-        att_k=jnp.zeros((batch, L, cfg.att_left_context, D), dt),
-        att_v=jnp.zeros((batch, L, cfg.att_left_context, D), dt),
+        att_k=jnp.zeros((batch, L, ring_rows(cfg), D), dt),
+        att_v=jnp.zeros((batch, L, ring_rows(cfg), D), dt),
         conv_cache=jnp.zeros((batch, L, cfg.conv_kernel - 1, D), dt),
         pos=jnp.zeros((batch,), jnp.int32),
     )
@@ -358,58 +364,51 @@ def _feed_forward(p: FeedForwardParams, x: jax.Array, eps: float) -> jax.Array:
 def _attention(
     p: AttentionParams,
     x: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    start: jax.Array,
+    k_rings: jax.Array,
+    v_rings: jax.Array,
+    l: int | jax.Array,
+    write: tuple[jax.Array, jax.Array],
+    age: jax.Array,
     mask: jax.Array,
     rel_idx: np.ndarray,
     pe: np.ndarray,
     eps: float,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Rel-pos MHA over [cache, new frames]: x [B, T, D], k/v caches [B, S, D] -> (y, k, v).
+    """Rel-pos MHA over [context, new frames], layer ``l``: x [B, T, D], every layer's k/v
+    rings [B, L, R, D] -> (y, k rings, v rings).
 
-    Only the ``T`` new frames are projected; the cache already holds the earlier frames' keys and
-    values, as a ring: ``start`` [B] is the row of the oldest (NeMo's ``cache_last_channel``
-    row 0), the frames after it follow cyclically. The scores are taken against the rows where
-    they lie and put in time order for the positional terms, the mask and the softmax; the
-    probabilities go back to the rows for the value product. Returns the output and the ``T``
-    new frames' keys and values [B, T, D] (as the cache stores them), which replace the ``T``
-    oldest rows: no row of the cache moves, and only the values are copied (beside the new
-    frames', for one product).
+    Only the ``T`` new frames are projected; layer ``l``'s ring already holds the earlier frames'
+    keys and values. The new ones are written first, in place, at ``write`` (slot and row index
+    arrays [B, 1] and [B, T]; a row past the ring is dropped), over frames no query of the call
+    sees; then the ring is read. The scores are taken against the rows where they lie; ``age``
+    [B, R] gives each row's place ``s`` in time order among the ``S + T`` keys NeMo's cache and
+    the new frames make (outside ``[0, S + T)`` the row is not a key of this call), by which the
+    positional term and ``mask`` [B, T, S + T] are read.
     """
     B, T, D = x.shape
     N, H = p.pos_bias_u.shape
-    S = k_cache.shape[1]
     xn = layer_norm(x, p.norm, p.norm_b, eps)
     if p.qkv is not None:  # the serving layout: one product, its columns split
         q, k_new, v_new = jnp.split(dense(xn, p.qkv), 3, axis=-1)
     else:
         q, k_new, v_new = dense(xn, p.q), dense(xn, p.k), dense(xn, p.v)
-    k_new, v_new = k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype)
+    slot, rows = write
+    k_rings = k_rings.at[slot, l, rows].set(k_new.astype(k_rings.dtype), mode="drop")
+    v_rings = v_rings.at[slot, l, rows].set(v_new.astype(v_rings.dtype), mode="drop")
+    R = k_rings.shape[2]
     q = q.reshape(B, T, N, H)
-
-    def heads(a: jax.Array) -> jax.Array:  # [B, s, D] as stored -> [B, s, N, H] in x's dtype
-        return a.astype(x.dtype).reshape(B, a.shape[1], N, H)
-
-    qu = q + p.pos_bias_u.astype(x.dtype)
-    ac_rows = jnp.einsum("btnh,bsnh->bnts", qu, heads(k_cache))  # [B, N, T, S], by row
-    in_time = (start[:, None] + jnp.arange(S)) % S  # [B, S]: the row of the s-th oldest frame
-    ac_old = jnp.take_along_axis(ac_rows, in_time[:, None, None, :], axis=-1)
-    ac_new = jnp.einsum("btnh,bsnh->bnts", qu, heads(k_new))  # [B, N, T, T]
-    ac = jnp.concatenate([ac_old, ac_new], axis=-1)  # [B, N, T, S + T] in time order
+    k = k_rings[:, l].astype(x.dtype).reshape(B, R, N, H)
+    v = v_rings[:, l].astype(x.dtype).reshape(B, R, N, H)
+    ac = jnp.einsum("btnh,brnh->bntr", q + p.pos_bias_u.astype(x.dtype), k)  # by ring row
     pos = dense(jnp.asarray(pe, x.dtype), p.pos).reshape(-1, N, H)[rel_idx]  # [T, S + T, N, H]
-    bd = jnp.einsum("btnh,tsnh->bnts", q + p.pos_bias_v.astype(x.dtype), pos)
+    bd = jnp.einsum("btnh,tsnh->bnts", q + p.pos_bias_v.astype(x.dtype), pos)  # in time order
+    s = jnp.clip(age, 0, bd.shape[-1] - 1)  # [B, R]
+    bd = jnp.take_along_axis(bd, s[:, None, None, :], axis=-1)  # [B, N, T, R]
+    keys = jnp.take_along_axis(mask, s[:, None, :], axis=-1) & (age == s)[:, None, :]
     scores = ((ac + bd) / math.sqrt(H)).astype(jnp.float32)
-    m = mask[:, None]  # [B, 1, T, S + T]
-    probs = masked_softmax(scores, m, x.dtype, fill=_MASKED_SCORE, zero_masked=True)
-    by_row = (jnp.arange(S) - start[:, None]) % S  # [B, S]: the age rank of each row's frame
-    p_rows = jnp.take_along_axis(probs[..., :S], by_row[:, None, None, :], axis=-1)
-    # One value product over [cache rows, new frames]. As two products summed, the CPU's
-    # classic emitters (the test suite's) round a program's audio differently from another's
-    # (8e-8, ``tests/test_mesh.py``); the values' concatenation is the one copy a step makes.
-    p_all = jnp.concatenate([p_rows, probs[..., S:]], axis=-1)  # [B, N, T, S + T]
-    y = jnp.einsum("bnts,bsnh->btnh", p_all, heads(jnp.concatenate([v_cache, v_new], axis=1)))
-    return dense(y.reshape(B, T, D), p.o), k_new, v_new
+    probs = masked_softmax(scores, keys[:, None], x.dtype, fill=_MASKED_SCORE, zero_masked=True)
+    y = jnp.einsum("bntr,brnh->btnh", probs, v).reshape(B, T, D)
+    return dense(y, p.o), k_rings, v_rings
 
 
 def _convolution(
@@ -434,7 +433,7 @@ def _layers(
     att_k: jax.Array,
     att_v: jax.Array,
     conv_cache: jax.Array,
-    start: jax.Array,
+    pos: jax.Array,
     mask: jax.Array,
     run: jax.Array,
     cfg: EncoderConfig,
@@ -442,10 +441,11 @@ def _layers(
     """The L Conformer layers: x [B, T, D], caches [B, L, ...] -> (y, caches). Stacked weights
     run as a ``lax.scan``; per-layer weights (``serving_layout`` on a GPU) run unrolled.
 
-    ``start`` [B]: the attention caches' ring row of their oldest frame; a layer writes its ``T``
-    new frames' keys and values over the ``T`` oldest rows (a shift of the whole cache, as
-    NeMo's ``cache_last_channel`` moves, read and wrote the cache every layer: about 2 ms of the
-    H200's faithful 72-slot tick, 2026-12-04, ``3a7efcd``, ``experiments/tick_profile``).
+    ``pos`` [B]: the frames each slot has encoded. The attention caches are rings of ``R``
+    rows, frame f at row f mod R: a layer writes its ``T`` new frames' keys and values over
+    frames older than its queries see, then reads (NeMo's ``cache_last_channel`` shifts instead:
+    copied and written back every layer, about 2 ms of the H200's faithful 72-slot tick,
+    2026-12-04, ``3a7efcd``, ``experiments/tick_profile``).
 
     ``run`` [B] bool: a row that is not set keeps its caches; each layer's write masks itself,
     so no select over the whole cache follows (on an H100 at 40 slots that select and the two
@@ -453,13 +453,19 @@ def _layers(
     """
     T = x.shape[1]
     S, eps = cfg.att_left_context, cfg.ln_eps
+    R = att_k.shape[2]
+    if T > R - S:
+        raise ValueError(f"{T} frames a call: the encoder's cache ring takes at most {R - S}")
     pe = _rel_pos_table(S + T, cfg.d_model)
     # distance query - key for query t (at S + t) and key s; keys right of the query are masked
     rel_idx = np.clip(S + np.arange(T)[:, None] - np.arange(S + T)[None, :], 0, S + T - 1)
     keep = ~run[:, None, None]  # [B, 1, 1] against a layer's conv cache [B, K - 1, D]
-    # the T new frames' ring rows, [B, T]; past the cache (dropped) for a row that does not run
+    # The T new frames' rows, [B, T] (past the ring, so dropped, for a slot that does not run),
+    # and each row's place among this call's S + T keys: key s is frame pos - S + s.
     slot = jnp.arange(x.shape[0])[:, None]
-    rows = jnp.where(run[:, None], (start[:, None] + jnp.arange(T)) % S, S)
+    rows = jnp.where(run[:, None], (pos[:, None] + jnp.arange(T)) % R, R)
+    frame = pos[:, None] + T - R + (jnp.arange(R) - pos[:, None] - T) % R  # [B, R]: row's frame
+    age = frame - (pos[:, None] - S)
 
     def layer(carry, xs):
         # The caches stay [B, L, ...] and are carried: layer l's slab is read and written back in
@@ -467,14 +473,12 @@ def _layers(
         h, ak, av, conv = carry
         lp, l = xs
         h = h + 0.5 * _feed_forward(lp.ff1, h, eps)
-        y, k_new, v_new = _attention(lp.attn, h, ak[:, l], av[:, l], start, mask, rel_idx, pe, eps)
+        y, ak, av = _attention(lp.attn, h, ak, av, l, (slot, rows), age, mask, rel_idx, pe, eps)
         h = h + y
         y, cc = _convolution(lp.conv, h, conv[:, l], eps)
         h = h + y
         h = h + 0.5 * _feed_forward(lp.ff2, h, eps)
         h = layer_norm(h, lp.out_norm, lp.out_norm_b, eps)
-        ak = ak.at[slot, l, rows].set(k_new, mode="drop")
-        av = av.at[slot, l, rows].set(v_new, mode="drop")
         cc = jnp.where(keep, conv[:, l], cc.astype(conv.dtype))
         conv = jax.lax.dynamic_update_index_in_dim(conv, cc, l, axis=1)
         return (h, ak, av, conv), None
@@ -512,7 +516,7 @@ def encoder_step(
       params: the perception weights.
       state: each slot's stream state (``init_state`` for a fresh stream); slots may be at
         different positions.
-      samples: [B, k * 1280] new 16 kHz samples (1 <= k <= the attention context, static).
+      samples: [B, k * 1280] new 16 kHz samples (1 <= k <= ``ENCODER_CALL_FRAMES``, static).
       run: [B] bool, the slots that advance (default all). The others' state comes back
         bit-identical (their outputs are meaningless): the caches' writes in each layer leave
         their rows alone (``_layers``), the small leaves are selected at the end.
@@ -540,11 +544,8 @@ def encoder_step(
         x = x * math.sqrt(cfg.d_model)
     mask = _attention_mask(state.pos, k, S)
     run = jnp.ones(state.pos.shape, bool) if run is None else run
-    if k > S:
-        raise ValueError(f"{k} frames a call: at most the attention context, {S}")
-    start = state.pos % S  # the ring row of the oldest cached frame (frame pos - S)
     enc, att_k, att_v, conv_cache = _layers(
-        params.layers, x, state.att_k, state.att_v, state.conv_cache, start, mask, run, cfg
+        params.layers, x, state.att_k, state.att_v, state.conv_cache, state.pos, mask, run, cfg
     )
     proj = dense(enc, params.proj, params.proj_b)
 
