@@ -475,11 +475,12 @@ def _layers(
         h = h + 0.5 * _feed_forward(lp.ff1, h, eps)
         y, ak, av = _attention(lp.attn, h, ak, av, l, (slot, rows), age, mask, rel_idx, pe, eps)
         h = h + y
-        y, cc = _convolution(lp.conv, h, conv[:, l], eps)
+        tail = conv[:, l]
+        y, cc = _convolution(lp.conv, h, tail, eps)
         h = h + y
         h = h + 0.5 * _feed_forward(lp.ff2, h, eps)
         h = layer_norm(h, lp.out_norm, lp.out_norm_b, eps)
-        cc = jnp.where(keep, conv[:, l], cc.astype(conv.dtype))
+        cc = jnp.where(keep, tail, cc.astype(conv.dtype))
         conv = jax.lax.dynamic_update_index_in_dim(conv, cc, l, axis=1)
         return (h, ak, av, conv), None
 
