@@ -17,6 +17,7 @@ test signal (``speech``), random weights (``random_params``), back-to-back tick 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -253,3 +254,18 @@ def device_memory() -> dict:
         for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
         if k in stats
     }
+
+
+@contextlib.contextmanager
+def traced_as_gpu():
+    """``jax.default_backend()`` answers 'gpu' inside: what is traced picks the kernels, product
+    presets and weight layout a GPU gets (``model.attention``, ``precision.lax_precision``,
+    ``voicechat.serving_layout``), on a machine without one."""
+    import jax
+
+    real = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        yield
+    finally:
+        jax.default_backend = real

@@ -16,13 +16,13 @@ The kernels default to 'auto', made as a GPU server makes them for ``--slots``
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 
 import jax
 from absl import app, flags
 
+from experiments.harness import traced_as_gpu
 from voicechat_jax import config as config_lib
 from voicechat_jax import engine as engine_lib
 from voicechat_jax import state as state_lib
@@ -41,18 +41,6 @@ flags.DEFINE_enum("attention", "auto", [m.value for m in config_lib.AttentionImp
 flags.DEFINE_enum(
     "tts_attention", None, [m.value for m in config_lib.AttentionImpl], "Speech decoder's."
 )
-
-
-@contextlib.contextmanager
-def traced_as_gpu():
-    """``jax.default_backend()`` answers 'gpu' while the tick is traced: the model picks its
-    kernels and product presets from it (``model.attention``, ``precision.lax_precision``)."""
-    real = jax.default_backend
-    jax.default_backend = lambda: "gpu"
-    try:
-        yield
-    finally:
-        jax.default_backend = real
 
 
 def main(argv):
