@@ -24,31 +24,29 @@ keep_profile() {  # the profile's rows and table, named by what was profiled
   echo "cp /tmp/tp_$1/rows.jsonl $R/tp_$1.jsonl; cp /tmp/tp_$1/table.md $R/tp_$1.md"
 }
 if ((mem > 100000)); then  # an H200: the 2026-12-04 profile held every cache full
-  faithful=(72 80) slots=72 bf16=112 full=true
+  slots=72
   cmds=()
-  for n in "${faithful[@]}"; do
+  for n in 72 80; do
     cmds+=("$cap --sessions=$n --policies=reference --loops=dispatch $log")
   done
-  prof="$prof --hold_full=$full"
+  prof="$prof --hold_full=true"
   cmds+=("$prof --slots=$slots --out_dir=/tmp/tp_ref $log; $(keep_profile ref)")
   # issue 33's second target (the tick at 112 slots); tf32x3_tts_codec was judged at 40 on an
   # H100 (no gain outside the codec) and waits
   cmds+=("$prof --slots=112 --out_dir=/tmp/tp_112 $log; $(keep_profile 112)")
+  last=("$cap --sessions=112 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log"
+    "$cap --sessions=72 --policies=reference --loops=resident $log")
 else  # an H100 (2026-12-05, d4d68c4: 48 faithful held, 51 fit its memory, 87 with the bf16 cache)
-  slots=40 bf16=84
-  cmds=("$cap --sessions=$bf16 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
+  slots=40
+  cmds=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
   cmds+=("$cap --sessions=51 --policies=reference --loops=dispatch $log")
   # the G = 1 speech-decoder kernel below AUTO_KERNELS' 56 slots, on caches as they fill
   prof="$prof --hold_full=false --tts_attention=pallas_mha"
   cmds+=("$prof --slots=$slots --out_dir=/tmp/tp_mha $log; $(keep_profile mha)")
+  last=("$cap --sessions=51 --policies=reference --loops=resident $log")
 fi
 cmds+=("$overlap --slots=$slots --label=default $log")
 cmds+=("XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true $overlap --slots=$slots --label=stream_annotation $log")
-if ((mem > 100000)); then
-  cmds+=("$cap --sessions=$bf16 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
-  cmds+=("$cap --sessions=${faithful[0]} --policies=reference --loops=resident $log")
-else
-  cmds+=("$cap --sessions=51 --policies=reference --loops=resident $log")
-fi
+cmds+=("${last[@]}")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 experiments/device_queue.sh start "${cmds[@]}"

@@ -269,3 +269,24 @@ def traced_as_gpu():
         yield
     finally:
         jax.default_backend = real
+
+
+def abstract_tick_args(cfg, serve) -> tuple:
+    """The dispatch tick's arguments as shapes, allocating nothing: (params, state, template,
+    beat, masks) for ``serve`` (its kernels chosen), the template traced as the engine builds it
+    (its matmul scope, cap and prompt), the weights in the layout a GPU engine serves
+    (``voicechat.serving_layout`` under ``traced_as_gpu``)."""
+    import jax
+
+    from voicechat_jax import engine as engine_lib
+    from voicechat_jax import state as state_lib
+    from voicechat_jax.model import voicechat
+
+    params = voicechat.abstract(cfg, serve.precision)
+    template = jax.eval_shape(engine_lib.template_fn(cfg, serve), params)
+    with traced_as_gpu():
+        params = jax.eval_shape(voicechat.serving_layout, params)
+    state = jax.eval_shape(lambda t: state_lib.from_template(t, serve.slots), template)
+    samples = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
+    beat = state_lib.empty_beat(serve.slots, samples, serve.capsule_tokens)
+    return params, state, template, beat, state_lib.masks_of(beat)

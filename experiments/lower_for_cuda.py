@@ -19,15 +19,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import jax
 from absl import app, flags
 
-from experiments.harness import traced_as_gpu
+from experiments.harness import abstract_tick_args, traced_as_gpu
 from voicechat_jax import config as config_lib
-from voicechat_jax import engine as engine_lib
-from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
-from voicechat_jax.model import voicechat
 from voicechat_jax.precision import CODEC_MATMUL, policy
 
 FLAGS = flags.FLAGS
@@ -57,17 +53,9 @@ def main(argv):
         tts_attention=FLAGS.tts_attention,
         precision=precision,
     ).resolved("gpu")
-    params = voicechat.abstract(cfg, precision)
-    # The server's template (its matmul scope, cap and prompt), traced as the engine builds it.
-    template = jax.eval_shape(engine_lib.template_fn(cfg, serve), params)
-    with traced_as_gpu():  # the weights as a GPU engine serves them (per layer, unrolled parts)
-        params = jax.eval_shape(voicechat.serving_layout, params)
-    state = jax.eval_shape(lambda t: state_lib.from_template(t, serve.slots), template)
-    samples = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
-    beat = state_lib.empty_beat(serve.slots, samples, serve.capsule_tokens)
+    args = abstract_tick_args(cfg, serve)
     with traced_as_gpu():
-        masks = state_lib.masks_of(beat)
-        traced = step_lib.make_tick(cfg, serve).trace(params, state, template, beat, masks)
+        traced = step_lib.make_tick(cfg, serve).trace(*args)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     products = re.findall(r"stablehlo\.dot_general[^\n]*", text)
     kinds = {

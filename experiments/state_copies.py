@@ -25,12 +25,9 @@ import re
 import jax
 from absl import app, flags
 
-from experiments.harness import traced_as_gpu
+from experiments.harness import abstract_tick_args
 from voicechat_jax import config as config_lib
-from voicechat_jax import engine as engine_lib
-from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
-from voicechat_jax.model import voicechat
 from voicechat_jax.precision import policy
 
 FLAGS = flags.FLAGS
@@ -65,16 +62,9 @@ def main(argv):
     serve = config_lib.ServeConfig(
         slots=FLAGS.slots, context_frames=FLAGS.context_frames, precision=precision
     ).resolved("cpu")
-    params = voicechat.abstract(cfg, precision)
-    template = jax.eval_shape(engine_lib.template_fn(cfg, serve), params)
-    with traced_as_gpu():  # the layout a GPU engine serves; the kernels stay XLA's
-        params = jax.eval_shape(voicechat.serving_layout, params)
-    state = jax.eval_shape(lambda t: state_lib.from_template(t, serve.slots), template)
-    samples = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
-    beat = state_lib.empty_beat(serve.slots, samples, serve.capsule_tokens)
-    tick = step_lib.make_tick(cfg, serve)
-    hlo = tick.lower(params, state, template, beat, state_lib.masks_of(beat)).compile().as_text()
-    found = copied_leaves(hlo, state, FLAGS.min_bytes)
+    args = abstract_tick_args(cfg, serve)  # a GPU's weight layout; the kernels stay XLA's
+    hlo = step_lib.make_tick(cfg, serve).lower(*args).compile().as_text()
+    found = copied_leaves(hlo, args[1], FLAGS.min_bytes)
     for (dtype, shape), (names, n) in sorted(found.items(), key=lambda kv: -kv[1][1]):
         shown = ", ".join(names[:3]) + (f" (+{len(names) - 3})" if len(names) > 3 else "")
         print(f"{n:4d} copies of {dtype}{list(shape)}: {shown}")

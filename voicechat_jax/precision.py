@@ -153,7 +153,8 @@ class Precision:
 
         A candidate for a faithful stand-in, not yet one: on an H100 those products had less error
         than the full-fp32 ones at 0.84-1.89x their speed (``experiments/fp32_products``,
-        2026-12-05). What they give a tick, and their effect on a served run's codes, are not
+        2026-12-05), but the 40-slot tick gained only the codec's share (92.00 against 93.33 ms,
+        the same tokens and codes; ``experiments/tick_profile``). A served run's codes are not
         measured. Identical to ``reference`` off the GPU.
         """
         return cls(tts_matmul="tf32_x3", codec_matmul="tf32_x3")

@@ -975,6 +975,18 @@ def op_label(op_name: str, opcode: str) -> str:
     return _SCOPE.sub("", op_name) or opcode
 
 
+def _largest(items, component, size, per_component: int, *, top: int = 0) -> list:
+    """``items`` by ``size``, largest first: the ``top`` largest, and beside them each
+    ``component``'s ``per_component`` largest."""
+    kept: collections.Counter = collections.Counter()
+    chosen = []
+    for i, item in enumerate(sorted(items, key=lambda it: -size(it))):
+        if i < top or kept[component(item)] < per_component:
+            chosen.append(item)
+            kept[component(item)] += 1
+    return chosen
+
+
 def operations(per_instr: dict, hlos, costs: dict, n: int, *, per_component: int) -> list[dict]:
     """Each component's time by operation (``op_label``): the kernels of one einsum, norm or
     copy summed over the layers and steps that run it, per span. Every component's
@@ -992,13 +1004,9 @@ def operations(per_instr: dict, hlos, costs: dict, n: int, *, per_component: int
         rec[2] += execs / n
         rec[3] += execs * by / n
         rec[4] += execs * fl / n
-    rows = sorted(ops.items(), key=lambda kv: -kv[1][0])
-    kept: collections.Counter = collections.Counter()
+    chosen = _largest(ops.items(), lambda kv: kv[0][0], lambda kv: kv[1][0], per_component)
     out = []
-    for (comp, label), (us, launches, execs, by, fl) in rows:
-        if kept[comp] >= per_component:
-            continue
-        kept[comp] += 1
+    for (comp, label), (us, launches, execs, by, fl) in chosen:
         out.append(
             {
                 "component": comp,
@@ -1092,13 +1100,9 @@ def reduce_window(
         c.launches = round(c.launches / n)
         c.executions = round(c.executions / n)
     kernels = []
-    by_time = sorted(per_instr.items(), key=lambda kv: -kv[1][1])
-    kept = collections.Counter()
-    chosen = []
-    for i, (key, rec) in enumerate(by_time):
-        if i < top or kept[rec[0]] < per_component:
-            chosen.append((key, rec))
-            kept[rec[0]] += 1
+    chosen = _largest(
+        per_instr.items(), lambda kv: kv[1][0], lambda kv: kv[1][1], per_component, top=top
+    )
     for (module, name), (comp, us, launches, execs) in chosen:
         h = next(h for h in hlos if h.module == module)
         by, fl = costs[(module, name)]

@@ -407,8 +407,8 @@ def ops_table(summary: dict, min_ms: float = 0.1) -> str:
         us = op["us_per_span"]
         if us < min_ms * 1e3:
             continue
-        tbs = f"{op['bytes_per_span'] / (us * 1e6):.2f}" if us else ""
-        tfs = f"{op['flops_per_span'] / (us * 1e6):.1f}" if us and op["flops_per_span"] else ""
+        tbs = f"{op['bytes_per_span'] / (us * 1e6):.2f}"
+        tfs = f"{op['flops_per_span'] / (us * 1e6):.1f}" if op["flops_per_span"] else ""
         rows.append(
             f"| {op['component']} | `{op['op'][-60:]}` | {us / 1e3:.2f} | "
             f"{op['launches_per_span']:.0f} | {op['bytes_per_span'] / 1e9:.3g} | {tbs} | {tfs} |"

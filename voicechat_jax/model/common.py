@@ -57,6 +57,20 @@ def count_params(tree) -> int:
     return sum(int(x.size) for x in jax.tree_util.tree_leaves(tree))
 
 
+def keep_rows(run: jax.Array, new, old):
+    """``new`` where ``run`` [B] is set, ``old`` elsewhere, over a small pytree (slot axis first).
+
+    Only for the small leaves (the encoder's mel tail and position, RNNT, codec, tokens): each
+    select reads both and writes one leaf-sized array. The caches (the encoder's, the LLM's, the
+    speech decoder's) mask their own updates instead.
+    """
+
+    def sel(n, o):
+        return jnp.where(run.reshape(run.shape + (1,) * (o.ndim - 1)), n, o)
+
+    return jax.tree_util.tree_map(sel, new, old)
+
+
 def per_layer(params, fields: Sequence[str], fused: Mapping[str, Sequence[str]] | None = None):
     """``params`` (a dataclass of weights stacked on a leading L axis) in the serving layout of
     the weights a decode step streams: each of ``fields`` as a tuple of its L layers, and each

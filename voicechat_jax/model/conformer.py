@@ -61,7 +61,7 @@ from flax import struct
 from voicechat_jax.config import ENCODER_CALL_FRAMES, EncoderConfig
 from voicechat_jax.model import mel as mel_lib
 from voicechat_jax.model.attention import masked_softmax
-from voicechat_jax.model.common import dense, layer_norm
+from voicechat_jax.model.common import dense, keep_rows, layer_norm
 from voicechat_jax.precision import Precision
 
 # ``forward_attention`` fills masked scores with -INF_VAL (NeMo's INF_VAL = 10000), not -inf.
@@ -464,8 +464,8 @@ def _layers(
     # and each row's place among this call's S + T keys: key s is frame pos - S + s.
     slot = jnp.arange(x.shape[0])[:, None]
     rows = jnp.where(run[:, None], (pos[:, None] + jnp.arange(T)) % R, R)
-    frame = pos[:, None] + T - R + (jnp.arange(R) - pos[:, None] - T) % R  # [B, R]: row's frame
-    age = frame - (pos[:, None] - S)
+    # [B, R]: row j holds the newest frame f = j (mod R) up to pos + T - 1, key f - pos + S
+    age = S + T - R + (jnp.arange(R) - pos[:, None] - T) % R
 
     def layer(carry, xs):
         # The caches stay [B, L, ...] and are carried: layer l's slab is read and written back in
@@ -549,16 +549,17 @@ def encoder_step(
         params.layers, x, state.att_k, state.att_v, state.conv_cache, state.pos, mask, run, cfg
     )
     proj = dense(enc, params.proj, params.proj_b)
-
-    def kept(new: jax.Array, old: jax.Array) -> jax.Array:  # a small leaf: [B, ...]
-        return jnp.where(run.reshape(run.shape + (1,) * (old.ndim - 1)), new, old)
-
+    mel_tail, pre_cache, pos = keep_rows(
+        run,
+        (mel_tail, frames[:, -cfg.pre_encode_cache :], state.pos + k),
+        (state.mel_tail, state.pre_cache, state.pos),
+    )
     state = EncoderState(
-        mel_tail=kept(mel_tail, state.mel_tail),
-        pre_cache=kept(frames[:, -cfg.pre_encode_cache :], state.pre_cache),
+        mel_tail=mel_tail,
+        pre_cache=pre_cache,
         att_k=att_k,
         att_v=att_v,
         conv_cache=conv_cache,
-        pos=kept(state.pos + k, state.pos),
+        pos=pos,
     )
     return state, enc, proj

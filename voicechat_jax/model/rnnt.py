@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from voicechat_jax.config import RNNTConfig
-from voicechat_jax.model.common import dense, fan_in_normal, normal
+from voicechat_jax.model.common import dense, fan_in_normal, normal, per_layer
 from voicechat_jax.precision import Precision
 
 
@@ -151,14 +151,9 @@ def serving_layout(params: RNNTParams, *, unrolled: bool | None = None) -> RNNTP
     """
     if unrolled is None:
         unrolled = jax.default_backend() == "gpu"
-    lstm = params.lstm
-    if not unrolled or isinstance(lstm.w_in, tuple):
+    if not unrolled or isinstance(params.lstm.w_in, tuple):
         return params
-    n = lstm.w_in.shape[0]
-    split = lambda a: tuple(a[l] for l in range(n))  # noqa: E731
-    return params.replace(
-        lstm=LSTMParams(w_in=split(lstm.w_in), w_hidden=split(lstm.w_hidden), b=split(lstm.b))
-    )
+    return params.replace(lstm=per_layer(params.lstm, ("w_in", "w_hidden", "b")))
 
 
 def _lstm(

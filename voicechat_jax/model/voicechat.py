@@ -22,6 +22,7 @@ from flax import struct
 
 from voicechat_jax.config import PAD_ID, XLA_KERNELS, Kernels, ModelConfig
 from voicechat_jax.model import codec, conformer, ear_tts, gemma, mog, nano, rnnt
+from voicechat_jax.model.common import keep_rows
 from voicechat_jax.precision import Precision
 
 # The speech decoder's steps over system-prompt positions are shared by every session (they are in
@@ -167,20 +168,6 @@ def listen_frame(
     )
     text, func = nano.greedy(params.llm, h)
     return llm_state, text, func, h
-
-
-def keep_rows(run: jax.Array, new, old):
-    """``new`` where ``run`` [B] is set, ``old`` elsewhere, over a small pytree (slot axis first).
-
-    Only for the small leaves (RNNT, codec, tokens): each select reads both and writes one
-    leaf-sized array. The caches (the encoder's, the LLM's, the speech decoder's) mask their own
-    updates instead.
-    """
-
-    def sel(n, o):
-        return jnp.where(run.reshape(run.shape + (1,) * (o.ndim - 1)), n, o)
-
-    return jax.tree_util.tree_map(sel, new, old)
 
 
 def advance(

@@ -134,7 +134,7 @@ class ScriptedSessions:
 
     def feed(self, tick: int, queues: InputQueues) -> None:
         """Each live plan's audio for ``tick`` (a late beat arrives with the next one), once: a
-        plan already fed for ``tick`` (ahead of the beat, ``Server._wait_for``) is skipped."""
+        plan already fed for ``tick`` (ahead of the beat, ``Server._feed_ahead``) is skipped."""
         for sid, (plan, joined) in self._live.items():
             if self._fed.get(sid, -1) >= tick:
                 continue

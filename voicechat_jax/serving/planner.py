@@ -165,10 +165,11 @@ class BeatPlanner:
         self.send(Event({"event": "ended", "session": sid, "reason": why, "tick": tick}))
         self.send(Ended(sid, why, detail))
 
-    def feed_ahead(self, k: int) -> None:
-        """Tick k's audio of the sessions fed in step with the beat (scripted), pushed before the
-        beat, in the slack while the device runs the last one: ``prepare(k)`` then takes it as a
-        network client's, and feeds only the sessions it admits."""
+    def feed(self, k: int) -> None:
+        """Tick k's audio of the sessions fed in step with the beat (scripted). The server calls
+        it before the beat, in the slack while the device runs the last one
+        (``Server._feed_ahead``), and ``prepare(k)`` again, which then pushes only the sessions
+        it admitted (a source feeds a tick once)."""
         for source in self.sources:
             source.feed(k, self.queues)
 
@@ -230,8 +231,7 @@ class BeatPlanner:
         for event in self.slots.drain_events():
             self.send(Event(event))
         # Sources fed in step with the beat push its audio (scripted: a late beat comes next).
-        for source in self.sources:
-            source.feed(k, self.queues)
+        self.feed(k)
         schedule = self.scheduler.plan(k, self.slots, self.queues)  # moves sessions, if any
         self.engine.place(schedule)  # an engine with buckets moves the state into the beat's
         retarget(schedule.moves, admit, release, keys)

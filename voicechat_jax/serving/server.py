@@ -371,7 +371,7 @@ class Server:
         ``last``: ticks the clock skips discard their input (``_skipped``), and audio fed ahead
         would be what they discarded."""
         if k == (0 if last is None else last + 1):
-            self.planner.feed_ahead(k)
+            self.planner.feed(k)
 
     def _skipped(self, last: int | None, k: int) -> None:
         """Ticks the clock skipped between ``last`` and ``k``: their input goes, they are missed."""
