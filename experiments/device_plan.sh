@@ -23,19 +23,16 @@ overlap="python3 experiments/stream_overlap/run.py --out=$R/stream_overlap.jsonl
 keep_profile() {  # the profile's rows and table, named by what was profiled
   echo "cp /tmp/tp_$1/rows.jsonl $R/tp_$1.jsonl; cp /tmp/tp_$1/table.md $R/tp_$1.md"
 }
-if ((mem > 100000)); then  # an H200: the 2026-12-04 profile held every cache full
+if ((mem > 100000)); then  # an H200: the issues' targets first, then the 2026-12-03/04 comparisons
   slots=72
-  cmds=()
-  for n in 72 80; do
-    cmds+=("$cap --sessions=$n --policies=reference --loops=dispatch $log")
-  done
   prof="$prof --hold_full=true"
-  cmds+=("$prof --slots=$slots --out_dir=/tmp/tp_ref $log; $(keep_profile ref)")
-  # issue 33's second target (the tick at 112 slots); tf32x3_tts_codec was judged at 40 on an
-  # H100 (no gain outside the codec) and waits
-  cmds+=("$prof --slots=112 --out_dir=/tmp/tp_112 $log; $(keep_profile 112)")
-  last=("$cap --sessions=112 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log"
-    "$cap --sessions=72 --policies=reference --loops=resident $log")
+  cmds=("$cap --sessions=80 --policies=reference --loops=dispatch $log"
+    "$cap --sessions=112 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log"
+    # issue 33's targets (1.8x the floor at 96, 135 ms at 112), every cache full
+    "$prof --slots=96,112 --out_dir=/tmp/tp_96_112 $log; $(keep_profile 96_112)"
+    "$cap --sessions=72 --policies=reference --loops=dispatch $log"
+    "$prof --slots=$slots --out_dir=/tmp/tp_ref $log; $(keep_profile ref)")
+  last=("$cap --sessions=80 --policies=reference --loops=resident $log")
 else  # an H100 (2026-12-05, d4d68c4: 48 faithful held, 51 fit its memory, 87 with the bf16 cache)
   slots=40
   cmds=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
