@@ -23,16 +23,16 @@ overlap="python3 experiments/stream_overlap/run.py --out=$R/stream_overlap.jsonl
 keep_profile() {  # the profile's rows and table, named by what was profiled
   echo "cp /tmp/tp_$1/rows.jsonl $R/tp_$1.jsonl; cp /tmp/tp_$1/table.md $R/tp_$1.md"
 }
-if ((mem > 100000)); then  # an H200: the issues' targets first, then the 2026-12-03/04 comparisons
-  slots=72
+if ((mem > 100000)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
+  slots=96
   prof="$prof --hold_full=true"
-  cmds=("$cap --sessions=80 --policies=reference --loops=dispatch $log"
-    "$cap --sessions=112 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log"
-    # issue 33's targets (1.8x the floor at 96, 135 ms at 112), every cache full
-    "$prof --slots=96,112 --out_dir=/tmp/tp_96_112 $log; $(keep_profile 96_112)"
-    "$cap --sessions=72 --policies=reference --loops=dispatch $log"
-    "$prof --slots=$slots --out_dir=/tmp/tp_ref $log; $(keep_profile ref)")
-  last=("$cap --sessions=80 --policies=reference --loops=resident $log")
+  # issue 30: the resident loop at the target's count (cut off on 2026-12-05), then the aims
+  cmds=("$cap --sessions=80 --policies=reference --loops=resident $log"
+    "$cap --sessions=96 --policies=reference --loops=dispatch $log"
+    "$cap --sessions=128 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log"
+    # issue 33's first target: 1.8x the floor at 96, every cache full
+    "$prof --slots=$slots --out_dir=/tmp/tp_96 $log; $(keep_profile 96)")
+  last=("$cap --sessions=88 --policies=reference --loops=dispatch $log")
 else  # an H100 (2026-12-05, d4d68c4: 48 faithful held, 51 fit its memory, 87 with the bf16 cache)
   slots=40
   cmds=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
