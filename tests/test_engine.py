@@ -109,8 +109,9 @@ def test_churn_every_tick_compiles_once(params):
     assert compiles.count == 1
     assert engine.staged
     # The tick and its staged admission, three roll-over programs (a capsule prefilled in the
-    # beat, none, one prefilled a beat ahead) and the capsule prefill, once each.
-    assert len(events) == 6
+    # beat, none, one prefilled a beat ahead), the capsule prefill and the outputs' packing
+    # (``Engine.pack``), once each.
+    assert len(events) == 7
     summary = server.metrics.summary()
     assert summary["events"]["admitted"] == 10
     assert summary["events"].get("refused", 0) == 0

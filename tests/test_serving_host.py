@@ -14,13 +14,14 @@ import pathlib
 import re
 import struct
 import threading
-import types
 import wave
 
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from voicechat_jax import state as state_lib
+from voicechat_jax.model import voicechat
 from voicechat_jax.serving import (
     FRAME_LEN,
     AudioInputError,
@@ -47,7 +48,7 @@ from voicechat_jax.serving import (
     write_wav,
 )
 from voicechat_jax.serving import writer as writer_lib
-from voicechat_jax.serving.writer import WavStream, frame_lines, to_pcm16
+from voicechat_jax.serving.writer import HostBeat, WavStream, frame_lines, to_pcm16
 
 P = 0.16  # seconds per tick: 2 frames of 80 ms
 BEAT = 2 * FRAME_LEN  # input samples per tick
@@ -1006,24 +1007,47 @@ def test_session_files_stream_frames_jsonl(tmp_path):
     assert set(paths) == {"wav", "frames", "transcript"}
 
 
+def _host_output(value, slots=2, frames=2):
+    """A ``BeatOutput`` of NumPy leaves, every leaf of it filled from ``value``."""
+    rng = np.random.default_rng(value)
+    return state_lib.BeatOutput(
+        frames=voicechat.FrameOutputs(
+            text=np.full((slots, frames), value, np.int32),
+            function=rng.integers(-5, 5, (slots, frames), dtype=np.int32),
+            codes=rng.integers(0, 1024, (slots, frames, 3), dtype=np.int32),
+            wav=np.full((slots, frames * 1764), value, np.float32),
+            transcript=rng.integers(0, 9, (slots, frames, 4), dtype=np.int32),
+            n_transcript=rng.integers(0, 4, (slots, frames), dtype=np.int32),
+        ),
+        ran=rng.random(slots) < 0.5,
+        active=np.ones(slots, bool),
+        at_cap=rng.random(slots) < 0.5,
+        reseeded=np.zeros(slots, bool),
+        frame=np.full(slots, value, np.int32),
+    )
+
+
+def test_a_packed_beat_reads_back_bit_for_bit():
+    out = _host_output(7, slots=3)
+    out = out.replace(
+        frames=out.frames.replace(wav=np.array([[-0.0, np.nan, np.inf] * 1176] * 3, np.float32))
+    )
+    packed = np.asarray(state_lib.pack_output(out))  # what the dispatch loop copies back
+    assert packed.dtype == np.uint32
+    assert packed.shape == (sum(np.size(v) for v in out.named().values()),)
+    direct, from_packed = HostBeat.like(out), HostBeat.like(out)
+    direct.fill(out)
+    from_packed.fill_packed(packed)
+    for f in dataclasses.fields(HostBeat):
+        a, b = getattr(direct, f.name), getattr(from_packed, f.name)
+        assert a.dtype == b.dtype, f.name
+        assert a.tobytes() == b.tobytes(), f.name
+    with pytest.raises(ValueError, match="packed beat of"):
+        from_packed.fill_packed(packed[:-1])
+
+
 def test_beat_pool_reuses_and_bounds_buffers():
-    def out(value):
-        frames = types.SimpleNamespace(
-            text=np.full((2, 2), value, np.int32),
-            function=np.zeros((2, 2), np.int32),
-            codes=np.zeros((2, 2, 3), np.int32),
-            wav=np.full((2, 3528), value, np.float32),
-            transcript=np.zeros((2, 2, 4), np.int32),
-            n_transcript=np.zeros((2, 2), np.int32),
-        )
-        return types.SimpleNamespace(
-            frames=frames,
-            ran=np.ones(2, bool),
-            active=np.ones(2, bool),
-            at_cap=np.zeros(2, bool),
-            reseeded=np.zeros(2, bool),
-            frame=np.full(2, value, np.int32),
-        )
+    out = _host_output
 
     pool = BeatPool(capacity=2)
     first = pool.take(out(1))

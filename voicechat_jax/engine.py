@@ -539,7 +539,7 @@ class Engine:
             return 0.0
         t = time.perf_counter()
         for beat in self._warm_beats():
-            jax.block_until_ready(self.tick(beat))
+            jax.block_until_ready(self.pack(self.tick(beat)))
         self.reset()
         jax.block_until_ready(self.state)
         self._warmed = True
@@ -560,6 +560,11 @@ class Engine:
         second.reseed[:] = True
         second.capsule_len[0] = 1
         return first, second
+
+    def pack(self, out: state_lib.BeatOutput) -> jax.Array:
+        """``out`` as one flat array (``state.pack_output``, dispatched): what the dispatch loop
+        copies back to the host, one copy a beat. Compiled by ``warm``."""
+        return _pack_output(out)
 
     def tick(self, beat: state_lib.BeatInput) -> state_lib.BeatOutput:
         """Dispatches one beat (asynchronously); the state is donated and replaced.
@@ -697,6 +702,9 @@ class Engine:
         masks = self.decide(first_beat)
         self.state = compiled(self.params, self.state, self.template, first_beat, masks)
         jax.block_until_ready(self.state)
+
+
+_pack_output = jax.jit(state_lib.pack_output)
 
 
 def _log_compiled(name: str, compiled, plan: MemoryPlan) -> None:

@@ -87,6 +87,42 @@ class BeatOutput:
     reseeded: jax.Array  # [B] bool: the session rolled over to a fresh context this beat
     frame: jax.Array  # [B] int32: frames the session has done after the beat
 
+    def named(self) -> dict[str, jax.Array]:
+        """The leaves by the host's names (``serving.writer.HostBeat``'s fields, in its order)."""
+        f = self.frames
+        return {
+            "text": f.text,
+            "function": f.function,
+            "codes": f.codes,
+            "wav": f.wav,
+            "transcript": f.transcript,
+            "n_transcript": f.n_transcript,
+            "ran": self.ran,
+            "active": self.active,
+            "at_cap": self.at_cap,
+            "reseeded": self.reseeded,
+            "frame": self.frame,
+        }
+
+
+def pack_output(out: BeatOutput) -> jax.Array:
+    """``out``'s leaves in one flat uint32 array, in ``BeatOutput.named``'s order: 4-byte leaves
+    bitcast, bools as 0 / 1 (``serving.writer.HostBeat.fill_packed`` reads it back exactly).
+
+    The dispatch loop copies this one array back to the host each beat instead of the 11 leaves:
+    on the H200's host the pickup of the 11 was 2.1-2.3 ms at p99 (2026-12-05, ``a6cb770``),
+    where every device-to-host copy and its completion is a call of its own."""
+    parts = []
+    for name, v in out.named().items():
+        if v.dtype == jnp.bool_:
+            v = v.astype(jnp.uint32)
+        elif v.dtype.itemsize == 4:
+            v = jax.lax.bitcast_convert_type(v, jnp.uint32)
+        else:
+            raise TypeError(f"pack_output packs 4-byte and bool leaves: {name} is {v.dtype}")
+        parts.append(v.reshape(-1))
+    return jnp.concatenate(parts)
+
 
 def empty_beat(slots: int, samples: int, capsule_tokens: int = 96) -> BeatInput:
     """A beat with no audio, no admission, release or roll-over, every live slot running."""

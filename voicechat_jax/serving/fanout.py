@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from absl import logging
@@ -42,6 +43,9 @@ from voicechat_jax.serving.writer import (
     SessionSink,
     to_pcm16,
 )
+
+if TYPE_CHECKING:
+    import jax
 
 SHUTDOWN = "shutdown"
 _now = time.monotonic  # the beat clock's time source
@@ -68,7 +72,8 @@ class Dispatched:
     timing: TickTiming
     prepared: float
     dispatched: float
-    out: state_lib.BeatOutput
+    out: state_lib.BeatOutput  # on the device: its shapes size a new host buffer
+    packed: jax.Array  # ``Engine.pack(out)``, on its way to the host
     snapshot: Snapshot
 
 

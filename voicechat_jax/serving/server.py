@@ -14,9 +14,10 @@ state, the slot rule and the compiled tick. The ``Server`` is split at its seams
     device calls back to the host for each beat's input (``_next_beat``: the clock's wait and the
     beat's preparation) and hands each beat's output back (``_deliver``: a copy into a pooled host
     buffer and a queue put, nothing else).
-  - ``dispatch``: one donated jitted call per beat; its outputs start back to the host as soon as
-    the device has them (``copy_to_host_async``), and a reader thread waits for beat k's output
-    (and timestamps it) while the beat thread sleeps to beat k+1 and dispatches it.
+  - ``dispatch``: one donated jitted call per beat; its outputs, packed into one array
+    (``Engine.pack``), start back to the host as soon as the device has them
+    (``copy_to_host_async``), and a reader thread waits for beat k's output (and timestamps it)
+    while the beat thread sleeps to beat k+1 and dispatches it.
 
 The beat path itself (clock, input, the tick) touches JAX only to dispatch the tick; garbage
 collection runs in the beat's slack (``gc_policy.GcPolicy``); every container that grows with
@@ -477,9 +478,11 @@ class Server:
                 beat = self.prepare(k)
                 prepared = _now()
                 out = self.engine.tick(beat)
-                for leaf in jax.tree_util.tree_leaves(out):
-                    leaf.copy_to_host_async()  # back to the host as soon as the device has it
-                self._to_reader.put(Dispatched(k, timing, prepared, _now(), out, self._snapshot))
+                packed = self.engine.pack(out)  # one array: one copy back, not one a leaf
+                packed.copy_to_host_async()  # back to the host as soon as the device has it
+                self._to_reader.put(
+                    Dispatched(k, timing, prepared, _now(), out, packed, self._snapshot)
+                )
                 if self.clock.mode == OFFLINE:
                     # Offline ticks run back to back: the next starts when this one is read.
                     self.fanout.await_collected(k)
@@ -496,9 +499,9 @@ class Server:
                     self.fanout.inbox.put(item)
                     continue
                 began = _now()
-                jax.block_until_ready(item.out)
+                jax.block_until_ready(item.packed)
                 ready = _now()
-                beat = self.pool.take(jax.device_get(item.out))
+                beat = self.pool.take(item.out, np.asarray(item.packed))
                 readable = _now()
                 with self._picked:
                     self._picked_through = item.tick

@@ -75,34 +75,32 @@ class HostBeat:
     reseeded: np.ndarray  # [B] bool: the session rolled over to a fresh context this beat
     frame: np.ndarray  # [B] int32
 
-    @staticmethod
-    def _leaves(out) -> dict[str, np.ndarray]:
-        f = out.frames
-        return {
-            "text": f.text,
-            "function": f.function,
-            "codes": f.codes,
-            "wav": f.wav,
-            "transcript": f.transcript,
-            "n_transcript": f.n_transcript,
-            "ran": out.ran,
-            "active": out.active,
-            "at_cap": out.at_cap,
-            "reseeded": out.reseeded,
-            "frame": out.frame,
-        }
-
     @classmethod
     def like(cls, out) -> HostBeat:
-        """Zeroed buffers shaped like ``out`` (a ``BeatOutput`` with array leaves)."""
-        return cls(
-            **{k: np.zeros(np.shape(v), np.asarray(v).dtype) for k, v in cls._leaves(out).items()}
-        )
+        """Zeroed buffers shaped like ``out`` (a ``BeatOutput``; nothing is read from it)."""
+        return cls(**{k: np.zeros(v.shape, np.dtype(v.dtype)) for k, v in out.named().items()})
 
     def fill(self, out) -> None:
         """Copies ``out``'s leaves (NumPy, or anything ``np.asarray`` reads) into these buffers."""
-        for name, value in self._leaves(out).items():
+        for name, value in out.named().items():
             np.copyto(getattr(self, name), value)
+
+    def fill_packed(self, words: np.ndarray) -> None:
+        """Copies a beat packed by ``state.pack_output`` (its uint32 words, on the host) into
+        these buffers, bit for bit."""
+        bufs = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        if words.shape != (sum(b.size for b in bufs),):
+            raise ValueError(
+                f"a packed beat of {words.shape} words for {sum(b.size for b in bufs)} values"
+            )
+        at = 0
+        for buf in bufs:
+            chunk = words[at : at + buf.size].reshape(buf.shape)
+            if buf.dtype == np.bool_:
+                np.not_equal(chunk, 0, out=buf)
+            else:
+                np.copyto(buf, chunk.view(buf.dtype))
+            at += buf.size
 
     @property
     def frames_per_beat(self) -> int:
@@ -122,14 +120,18 @@ class BeatPool:
         self._free: queue.SimpleQueue[HostBeat] = queue.SimpleQueue()
         self.allocated = 0
 
-    def take(self, out) -> HostBeat:
-        """A buffer filled with ``out``."""
+    def take(self, out, packed: np.ndarray | None = None) -> HostBeat:
+        """A buffer filled with ``out`` (a ``BeatOutput`` of host arrays), or with ``packed``,
+        ``state.pack_output(out)`` on the host (``out`` then gives the shapes only)."""
         try:
             beat = self._free.get_nowait()
         except queue.Empty:
             beat = HostBeat.like(out)
             self.allocated += 1
-        beat.fill(out)
+        if packed is None:
+            beat.fill(out)
+        else:
+            beat.fill_packed(packed)
         return beat
 
     def give(self, beat: HostBeat) -> None:
