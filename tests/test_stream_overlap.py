@@ -12,21 +12,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.stream_overlap import run as stream_overlap
+from experiments.stream_overlap.inline import inlined
 from voicechat_jax import config as config_lib
 from voicechat_jax.model import codec
+from voicechat_jax.precision import Precision
 
 
 def test_inlined_codec_step_makes_no_call_and_matches():
     c = config_lib.tiny().codec
-    prec = stream_overlap.PREC
+    prec = Precision.reference()
     params = codec.init(jax.random.key(1), c, prec)
     state = codec.init_state(c, 2, prec)
     codes = jnp.asarray(
         np.random.default_rng(0).integers(0, c.codebook_size, (2, 2, c.n_quantizers))
     )
     step = functools.partial(codec.decode_step, cfg=c)
-    flat = stream_overlap.inlined(step)
+    flat = inlined(step)
 
     def calls(fn):
         return len(re.findall(r"call @", jax.jit(fn).lower(params, state, codes).as_text()))

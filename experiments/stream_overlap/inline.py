@@ -1,0 +1,75 @@
+"""``inlined``: a function traced with no call of its own, for a stream-annotated region
+(``run.py``). No flags here, so that tests can import it beside other experiments."""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+
+def inlined(fn):
+    """``fn`` with every nested call it makes (``jnp.pad`` and ``lax.dynamic_index_in_dim`` are
+    ``jit``s; a scan's body holds more) traced inline.
+
+    Under jax 0.11.2 on the GPU a stream-annotated region that holds a call of its own fails at
+    run time (``NOT_FOUND: No ExecutionStreamId found for %call-start ... compute_on/jit(_pad)``,
+    2026-12-05, H200): XLA gives the annotated call a stream but not the calls nested in it. So
+    the region is one flat computation: ``fn``'s jaxpr evaluated with its call equations replaced
+    by their bodies, in loop bodies too."""
+    calls = {"jit": "jaxpr", "closed_call": "call_jaxpr"}  # call primitive -> its body's param
+
+    def run(jaxpr, consts, args):
+        env = {}
+
+        def read(v):
+            return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+        env.update(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            if eqn.primitive.name in calls:
+                body = eqn.params[calls[eqn.primitive.name]]
+                outs = run(body.jaxpr, body.consts, ins)
+            elif eqn.primitive.name == "scan":  # lowered, a scan calls its body: unrolled here
+                outs = unrolled_scan(eqn.params, ins)
+            else:
+                bind = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before 0.5
+                subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
+                params = {k: flat(v) for k, v in params.items()}
+                with eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*subfuns, *ins, **params)
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [read(v) for v in jaxpr.outvars]
+
+    def unrolled_scan(p, ins):
+        body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
+        consts, carry, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
+        steps = range(p["length"] - 1, -1, -1) if p["reverse"] else range(p["length"])
+        ys = {}
+        for i in steps:
+            step_xs = [lax.squeeze(lax.slice_in_dim(x, i, i + 1), (0,)) for x in xs]
+            out = run(body.jaxpr, body.consts, [*consts, *carry, *step_xs])
+            carry, ys[i] = out[:nk], out[nk:]
+        stacked = [
+            lax.concatenate([lax.expand_dims(ys[i][j], (0,)) for i in range(p["length"])], 0)
+            for j in range(len(body.jaxpr.outvars) - nk)
+        ]
+        return [*carry, *stacked]
+
+    def flat(param):
+        """A loop's or branch's body (a closed jaxpr) with its calls inlined; others as given."""
+        if type(param) is tuple:  # a cond's branches (not a named tuple of numbers)
+            return tuple(flat(p) for p in param)
+        if not isinstance(param, jax.extend.core.ClosedJaxpr):
+            return param
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in param.jaxpr.invars]
+        return jax.make_jaxpr(lambda *xs: run(param.jaxpr, param.consts, xs))(*avals)
+
+    def call(*args):
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        out = run(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves(args))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), out)
+
+    return call
