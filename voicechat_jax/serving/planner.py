@@ -277,12 +277,16 @@ class BeatPlanner:
             self._context[sid] = n
         self._rolling = {}
         running = []  # (slot, context, silent frames) of the sessions that run this beat
+        soft = policy.soft_frames if policy.host_rolls else None
         for b, sid in enumerate(live):
             if sid is None or not beat.run[b] or b in applied:
                 continue
+            context = self._context.get(sid, 0)
             memory = self._memories.get(sid)
-            silent = 0 if memory is None else memory.silent_frames()
-            running.append((b, self._context.get(sid, 0), silent))
+            # the pause is read only where the policy looks at it: past the soft threshold
+            past_soft = soft is not None and context >= soft
+            silent = memory.silent_frames() if memory is not None and past_soft else 0
+            running.append((b, context, silent))
         for b, reason in policy.plan(running):
             sid = live[b]
             memory = self._memories.get(sid)
