@@ -29,7 +29,10 @@ if ((mem > 100000)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 b
   # default loop; then issue 33's overlap (below), then the aims on the dispatch loop, whose
   # pickup now copies one packed array. The tick has not changed since the 2026-12-05 profile.
   cmds=("$cap --sessions=80 --policies=reference --loops=resident $log")
-  last=("$cap --sessions=96 --policies=reference --loops=dispatch $log"
+  # issue 33: full-fp32 products in our own Triton kernel against cuBLAS at the tick's rows
+  fp32="python3 experiments/fp32_products/run.py --out=$R/fp32_products.jsonl --slots=$slots"
+  last=("$fp32 --algorithms=float32,pallas_float32 $log"
+    "$cap --sessions=96 --policies=reference --loops=dispatch $log"
     "$cap --sessions=128 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
 else  # an H100 (2026-12-05, d4d68c4: 48 faithful held, 51 fit its memory, 87 with the bf16 cache)
   slots=40

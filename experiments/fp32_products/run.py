@@ -21,6 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import harness
+from pallas_kernels.matmul import matmul
 from voicechat_jax import config as config_lib
 from voicechat_jax.model import ear_tts
 
@@ -31,7 +32,8 @@ flags.DEFINE_list(
 flags.DEFINE_list(
     "algorithms",
     ["float32", "TF32_TF32_F32_X3"],
-    "float32 (HIGHEST), tensorfloat32 (HIGH), or a jax.lax.DotAlgorithmPreset name. The H100 run "
+    "float32 (HIGHEST), tensorfloat32 (HIGH), a jax.lax.DotAlgorithmPreset name, or "
+    "pallas_float32 (pallas_kernels.matmul in full fp32). The H100 run "
     "of 2026-12-05 had all five of float32, tensorfloat32, TF32_TF32_F32_X3, BF16_BF16_F32_X6 "
     "and BF16_BF16_F32_X9: 80 programs, 7.5 minutes of compiles and autotuning.",
 )
@@ -72,6 +74,22 @@ def products(x, ws, *, precision):
     return tuple(jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32) for w in ws)
 
 
+def pallas_products(x, ws):
+    """``products`` through ``pallas_kernels.matmul`` in full fp32 (Triton's IEEE path on the
+    FMA units, its default tiling for the shape): the faithful policy's math in our own kernel."""
+    interpret = jax.default_backend() == "cpu"
+    return tuple(
+        matmul(x, w, precision="float32", out_dtype=jnp.float32, interpret=interpret) for w in ws
+    )
+
+
+def program(algo: str):
+    """The un-jitted program of ``--layers`` products under ``algo``."""
+    if algo == "pallas_float32":
+        return pallas_products
+    return functools.partial(products, precision=precision_of(algo))
+
+
 def errors(y: np.ndarray, ref: np.ndarray) -> dict:
     d = y.astype(np.float64) - ref
     return {
@@ -108,7 +126,7 @@ def main(argv):
                     "layers": FLAGS.layers,
                 }
                 try:
-                    fn = jax.jit(functools.partial(products, precision=precision_of(algo)))
+                    fn = jax.jit(program(algo))
                     out = jax.block_until_ready(fn(x, ws))
                     ms = harness.time_call(
                         functools.partial(fn, x, ws), calls=FLAGS.calls, warmup=3
