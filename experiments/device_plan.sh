@@ -31,8 +31,16 @@ if ((mem > 100000)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 b
   cmds=("$cap --sessions=80 --policies=reference --loops=resident $log")
   # issue 33: full-fp32 products in our own Triton kernel against cuBLAS at the tick's rows
   fp32="python3 experiments/fp32_products/run.py --out=$R/fp32_products.jsonl --slots=$slots"
+  # issue 30's host bound on the dispatch loop: the call's launches with XLA's default command
+  # buffers, and with every kind of thunk the flag names in them, no minimum graph size
+  dc="python3 experiments/dispatch_cost/run.py --model=voicechat_11b --context_frames=1500"
+  dc="$dc --slots=16 --ticks=50 --out=$R/dispatch_cost.jsonl"
+  graph="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL"
+  graph="$graph --xla_gpu_graph_min_graph_size=1"
   last=("$fp32 --algorithms=float32,pallas_float32 $log"
     "$cap --sessions=96 --policies=reference --loops=dispatch $log"
+    "$dc --label=default $log"
+    "XLA_FLAGS='$graph' $dc --label=whole_graph $log"
     "$cap --sessions=128 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
 else  # an H100 (2026-12-05, d4d68c4: 48 faithful held, 51 fit its memory, 87 with the bf16 cache)
   slots=40
