@@ -35,9 +35,14 @@ from voicechat_jax.model import voicechat
 from voicechat_jax.slot_rule import SlotRule
 
 GIB = 2**30
-# Scratch kept free for the tick's activations, cuBLAS/cuDNN workspaces and the beat's I/O, as a
-# share of the device's memory limit (on the H200 the 11B tick's scratch measured well under this).
-SCRATCH_FRACTION = 0.04
+# Scratch kept free beside the state: the tick's activations, cuBLAS/cuDNN workspaces, the
+# autotuner's buffers (programs compiled after the state exists), the beat's I/O. A fixed part and
+# a part per slot, above every peak measured on a GPU (docs/gpu-notes.md "Memory"): the peak
+# over state and weights was 1.6 GiB at 40 faithful slots (H100, serving, `c778a5e`), 1.26 and
+# 1.40 at 72 and 96 (H200, a profiled tick, `a6cb770`); the compiled ticks' own scratch 0.82-0.91
+# GiB at 72-80 faithful, 1.07 for the resident loop at 80, 1.99 at 112 with the bf16 cache.
+SCRATCH_FIXED_BYTES = 5 * GIB // 4
+SCRATCH_SLOT_BYTES = 20 * 2**20
 
 
 class MemoryPlanError(RuntimeError):
@@ -53,7 +58,9 @@ class MemoryPlan:
     state_bytes: int  # slots * slot_bytes
     limit_bytes: int | None  # the device allocator's limit (None: unknown, e.g. the CPU)
     in_use_bytes: int  # already allocated (weights, template) when the plan was made
-    scratch_bytes: int  # kept free for the tick's scratch and a capsule prefilled a beat ahead
+    # kept free: the tick's scratch and a capsule prefilled a beat ahead; of it, per slot:
+    scratch_bytes: int
+    scratch_slot_bytes: int = 0
 
     @property
     def free_bytes(self) -> int | None:
@@ -63,8 +70,12 @@ class MemoryPlan:
 
     @property
     def max_slots(self) -> int | None:
-        free = self.free_bytes
-        return None if free is None else max(0, free // self.slot_bytes)
+        """The most slots whose state and scratch fit beside what is in use."""
+        if self.limit_bytes is None:
+            return None
+        fixed = self.scratch_bytes - self.slots * self.scratch_slot_bytes
+        free = self.limit_bytes - self.in_use_bytes - fixed
+        return max(0, free // (self.slot_bytes + self.scratch_slot_bytes))
 
     @property
     def fits(self) -> bool:
@@ -79,7 +90,8 @@ class MemoryPlan:
         return (
             f"{need}; the device has {self.limit_bytes / GIB:.2f} GiB, "
             f"{self.in_use_bytes / GIB:.2f} GiB in use (weights, template), "
-            f"{self.scratch_bytes / GIB:.2f} GiB kept for scratch: "
+            f"{self.scratch_bytes / GIB:.2f} GiB kept for scratch "
+            f"({self.scratch_slot_bytes / 2**20:.0f} MiB of it a slot): "
             f"at most {self.max_slots} slots fit"
         )
 
@@ -147,9 +159,11 @@ def plan_memory(
     dev_limit, dev_in_use = _device_memory(device or jax.devices()[0])
     limit = dev_limit if limit_bytes is None else limit_bytes
     in_use = dev_in_use if in_use_bytes is None else in_use_bytes
-    # Scratch: the tick's share, and one roll-over's capsule prefilled a beat ahead (an LLM state).
+    # Scratch: the tick's (``SCRATCH_FIXED_BYTES`` and ``SCRATCH_SLOT_BYTES`` a slot), and one
+    # roll-over's capsule prefilled a beat ahead (an LLM state).
     lane = _tree_bytes(template.llm)
-    scratch = 0 if limit is None else int(SCRATCH_FRACTION * limit) + lane
+    per = 0 if limit is None else SCRATCH_SLOT_BYTES
+    scratch = 0 if limit is None else SCRATCH_FIXED_BYTES + lane + slots * per
     return MemoryPlan(
         slots=slots,
         slot_bytes=per_slot,
@@ -157,6 +171,7 @@ def plan_memory(
         limit_bytes=limit,
         in_use_bytes=in_use,
         scratch_bytes=scratch,
+        scratch_slot_bytes=per,
     )
 
 
