@@ -331,4 +331,8 @@ def test_the_committed_h200_trace_reduces_to_the_committed_rows(tmp_path):
                 "codec"} <= set(comps)  # fmt: skip
         total = sum(r["ms"] for r in comps.values())
         assert total == pytest.approx(tick["kernel_sum_ms"], rel=0.01)
+        # the device's idle time, each gap charged to the component whose kernel came next
+        idle = sum(r["idle_before_ms"] for r in comps.values())
+        spans = [t["idle_us"] / 1e3 for t in tick["per_tick"]]
+        assert idle == pytest.approx(sum(spans) / len(spans), rel=1e-6)
         assert comps.get("other", {"ms": 0})["ms"] < 0.05 * total

@@ -945,6 +945,9 @@ class Component:
     bytes: float = 0.0
     flops: float = 0.0
     memcpy_us: float = 0.0  # of ``us``: memcpy and memset kernels (on the CPU: copy ops)
+    # the device idle just before this component's kernels: each kernel's gap since every kernel
+    # before it ended (the components' gaps add up to the span's idle time)
+    idle_before_us: float = 0.0
 
 
 def _lookup(hlos: Sequence[Hlo], e: Event) -> tuple[Hlo, Instr] | None:
@@ -1061,6 +1064,10 @@ def reduce_window(
         runs: dict[tuple[str, str], list[Event]] = collections.defaultdict(list)
         starts: collections.Counter = collections.Counter()
         previous: dict[tuple[int, int], tuple[str, str] | None] = {}
+        gaps, frontier = {}, None  # each kernel's idle before it, in start order
+        for e in sorted(ev, key=lambda e: e.ts):
+            gaps[id(e)] = 0.0 if frontier is None else max(0.0, e.ts - frontier)
+            frontier = e.ts + e.dur if frontier is None else max(frontier, e.ts + e.dur)
         for e in ev:
             found = _lookup(hlos, e)
             if found is None:
@@ -1080,6 +1087,7 @@ def reduce_window(
             c = comps.setdefault(name, Component(name))
             c.us += e.dur
             c.launches += 1
+            c.idle_before_us += gaps[id(e)]
             if _COPY.match(e.name) or (found is not None and found[1].opcode == "copy"):
                 c.memcpy_us += e.dur
         for key, evs in runs.items():
@@ -1095,6 +1103,7 @@ def reduce_window(
     for c in comps.values():
         c.us /= n
         c.memcpy_us /= n
+        c.idle_before_us /= n
         c.bytes /= n
         c.flops /= n
         c.launches = round(c.launches / n)

@@ -336,6 +336,7 @@ def component_row(n: int, c, busy_ms, probe_ms, window: str) -> dict:
         "launches": c.launches,
         "executions": c.executions,
         "memcpy_ms": c.memcpy_us / 1e3,
+        "idle_before_ms": c.idle_before_us / 1e3,
         "gb": c.bytes / 1e9,
         "gflop": c.flops / 1e9,
         "tb_s": c.bytes / (c.us * 1e6) if c.us else None,
@@ -392,7 +393,22 @@ def table(summaries: list[dict]) -> str:
         line("byte floor (3.7 TB/s)", "floor_ms"),
         line("launches per tick", "launches", "{:.0f}"),
     ]
-    return "\n".join(out) + "\n" + "".join(map(ops_table, summaries))
+    return (
+        "\n".join(out)
+        + "\n"
+        + "".join(map(idle_line, summaries))
+        + "".join(map(ops_table, summaries))
+    )
+
+
+def idle_line(summary: dict, shown: int = 6) -> str:
+    """Where the device waited: the tick's idle time by the component whose kernel came next."""
+    comps = sorted(summary["components"], key=lambda c: -c.idle_before_us)[:shown]
+    parts = [f"{c.name} {c.idle_before_us / 1e3:.2f}" for c in comps if c.idle_before_us >= 10]
+    return (
+        f"\n{summary['slots']} slots, the device idle before each component's kernels (ms, the "
+        f"largest): {', '.join(parts) or 'none'}\n"
+    )
 
 
 def ops_table(summary: dict, min_ms: float = 0.1) -> str:
