@@ -37,11 +37,17 @@ if ((mem > 100000)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 b
   dc="$dc --slots=16 --ticks=50 --out=$R/dispatch_cost.jsonl"
   graph="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL"
   graph="$graph --xla_gpu_graph_min_graph_size=1"
-  # issue 33: three TF32 passes for the speech decoder and codec at the target's 96 slots
-  # (on an H100 at 40 they paid only in the codec; the products ran 0.84-1.89x alone)
-  x3="$prof --hold_full=true --slots=$slots --policy=tf32x3_tts_codec --out_dir=/tmp/tp_x3_96"
-  last=("$fp32 --algorithms=float32,pallas_float32 $log"
-    "$x3 $log; $(keep_profile x3_96)"
+  # issue 33 at the target's 96 slots, every cache full, against this machine's own reference:
+  # each frame's codec on a second stream (the flag that lets XLA overlap it), and three TF32
+  # passes for the speech decoder and codec (on an H100 at 40 they paid only in the codec)
+  full="$prof --hold_full=true --slots=$slots"
+  streamed="--xla_gpu_experimental_stream_annotation=true"
+  streamed="$streamed --xla_enable_command_buffers_during_profiling=false"
+  streamed="XLA_FLAGS='$streamed' ${full#XLA_FLAGS=* }"
+  last=("$full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
+    "$streamed --codec_stream --out_dir=/tmp/tp_cs_96 $log; $(keep_profile cs_96)"
+    "$full --policy=tf32x3_tts_codec --out_dir=/tmp/tp_x3_96 $log; $(keep_profile x3_96)"
+    "$fp32 --algorithms=float32,pallas_float32 $log"
     "$cap --sessions=96 --policies=reference --loops=dispatch $log"
     "$dc --label=default $log"
     "XLA_FLAGS='$graph' $dc --label=whole_graph $log"

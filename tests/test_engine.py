@@ -21,7 +21,7 @@ from tests import shared
 from tests.test_staged_tick import mirror_agrees
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
-from voicechat_jax.config import ServeConfig, tiny
+from voicechat_jax.config import Kernels, ServeConfig, tiny
 from voicechat_jax.model import conformer, rnnt, voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import runner
@@ -179,6 +179,39 @@ def test_resident_warm_up_runs_one_iteration_aside_from_the_host(engine):
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, engine.state), fresh)
     engine.run_resident(compiled, engine.empty_beat())
     assert calls == [("deliver", 0), ("next", 0)]
+
+
+def test_codec_on_a_second_stream_keeps_tokens_and_codes(params):
+    """``Kernels(codec_stream=True)``: the beat's frames unrolled, each frame's codes decoded on
+    a second stream (program order off a GPU). The same tokens and codes and state as the scan's
+    frames; the waveform, decoded a frame at a time, to fp32 rounding."""
+    x = _speech(2, 31)
+    template = voicechat.initial_state(params, cfg=CFG, precision=PREC, max_len=64)
+    key = jnp.asarray(session_key(7, "s"))[None]
+    runs = {}
+    for streamed in (False, True):
+        advance = jax.jit(
+            functools.partial(
+                voicechat.advance,
+                cfg=CFG,
+                precision=PREC,
+                deterministic=False,
+                kernels=Kernels(codec_stream=streamed),
+            )
+        )
+        state, outs = template, []
+        for t in range(3):
+            state, out = advance(
+                params, state, jnp.asarray(x[None, t * BEAT : (t + 1) * BEAT]), key
+            )
+            outs.append(out)
+        runs[streamed] = (state, outs)
+    (s0, o0), (s1, o1) = runs[False], runs[True]
+    for a, b in zip(o0, o1, strict=True):
+        for name in ("text", "function", "codes", "transcript", "n_transcript"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+        np.testing.assert_allclose(a.wav, b.wav, rtol=0, atol=1e-5)
+    chex.assert_trees_all_close(s0, s1, atol=1e-5, rtol=0)
 
 
 def test_served_frames_equal_the_model_alone(engine, params):

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.stream_overlap.inline import inlined
 from voicechat_jax import config as config_lib
 from voicechat_jax.model import codec
+from voicechat_jax.model.streams import inlined
 from voicechat_jax.precision import Precision
 
 

@@ -429,6 +429,9 @@ class Kernels:
     attention: AttentionImpl = AttentionImpl.XLA  # the LLM's decode attention
     tts_attention: AttentionImpl = AttentionImpl.XLA  # the speech decoder's
     projection: ProjectionImpl = ProjectionImpl.XLA  # the LLM's MLP and Mamba projections
+    # the beat's frames unrolled, each frame's codes decoded on a second GPU stream beside the
+    # next frame's LLM and speech decoder (``model.streams``; ``ServeConfig.codec_stream``)
+    codec_stream: bool = False
 
     def __post_init__(self):
         for field, cls in (
@@ -478,6 +481,11 @@ class ServeConfig:
     tts_attention: AttentionImpl | None = None  # speech decoder's; None: as ``attention``
     ssm_kernel: SSMKernel = SSMKernel.AUTO  # LLM Mamba step update
     projection: ProjectionImpl = ProjectionImpl.XLA  # LLM MLP and Mamba projections
+    # Experimental (issue 33's overlap): each frame's codec step on a second GPU stream, the
+    # beat's frames unrolled (``Kernels.codec_stream``). The same tokens and codes; the waveform
+    # to fp32 rounding (the codec decodes a frame at a time). Overlaps only with
+    # ``--xla_gpu_experimental_stream_annotation=true`` in ``XLA_FLAGS``.
+    codec_stream: bool = False
     deadline_ms: float | None = None  # default: the beat period
     capsule_tokens: int = 96  # U: room for a roll-over's conversation capsule (token ids)
     # Benchmarks only: every live slot's attention caches held full (``step.hold_full``), so a
@@ -552,7 +560,9 @@ class ServeConfig:
         (default: JAX's default backend) runs: every 'auto' made (``resolved``), the speech
         decoder's spelled out."""
         r = self.resolved(platform, slots)
-        return Kernels(r.ssm_kernel, r.attention, r.tts_attention or r.attention, r.projection)
+        return Kernels(
+            r.ssm_kernel, r.attention, r.tts_attention or r.attention, r.projection, r.codec_stream
+        )
 
     @property
     def beat_ms(self) -> float:

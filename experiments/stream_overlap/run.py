@@ -22,19 +22,17 @@ bit for bit (``same``): a stream changes where a kernel runs, not what it comput
 from __future__ import annotations
 
 import functools
-import inspect
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from jax.experimental.compute_on import compute_on
 
 from experiments import harness
-from experiments.stream_overlap.inline import inlined
 from voicechat_jax import config as config_lib
 from voicechat_jax.model import codec, gemma
+from voicechat_jax.model.streams import inlined, on_stream
 from voicechat_jax.precision import Precision
 
 FLAGS = flags.FLAGS
@@ -47,22 +45,6 @@ flags.DEFINE_string("label", "default", "The run's name (say which XLA_FLAGS it 
 flags.DEFINE_string("out", None, "JSON-lines output file (appended).")
 
 PREC = Precision.reference()
-
-
-def on_stream(fn, stream: int):
-    """``fn`` placed on GPU stream ``stream`` (``fn`` should make no call: ``inlined``): jax
-    0.11 made ``compute_on`` a function transform (``compute_type=``, ``out_memory_spaces=``);
-    jax 0.10 has it as a context manager."""
-    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
-        return compute_on(
-            fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device
-        )
-
-    def call(*args):
-        with compute_on(f"gpu_stream:{stream}"):
-            return jax.jit(fn)(*args)
-
-    return call
 
 
 def both(tp, cache, x, cp, cstate, codes, *, tcfg, ccfg, streams: bool):

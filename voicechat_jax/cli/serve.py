@@ -224,6 +224,14 @@ flags.DEFINE_enum(
     "Speech decoder attention (default: as --attention).",
     flag_values=FLAGS,
 )
+flags.DEFINE_bool(
+    "codec_stream",
+    False,
+    "Experimental: each frame's codec step on a second GPU stream beside the next frame "
+    "(ServeConfig.codec_stream; overlaps only with XLA_FLAGS="
+    "--xla_gpu_experimental_stream_annotation=true).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_enum(
     "gc_policy",
     "slack",
@@ -563,6 +571,7 @@ def options_from_flags() -> runner.RunOptions:
         tts_attention=FLAGS.tts_attention,
         ssm_kernel=FLAGS.ssm_kernel,
         projection=FLAGS.projection,
+        codec_stream=FLAGS.codec_stream,
         deadline_ms=FLAGS.deadline_ms,
         precision=FLAGS.precision,
     )

@@ -16,12 +16,14 @@ step one frame at a time (frame t+1 needs frame t's tokens).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from voicechat_jax.config import PAD_ID, XLA_KERNELS, Kernels, ModelConfig
-from voicechat_jax.model import codec, conformer, ear_tts, gemma, mog, nano, rnnt
+from voicechat_jax.model import codec, conformer, ear_tts, gemma, mog, nano, rnnt, streams
 from voicechat_jax.model.common import keep_rows
 from voicechat_jax.precision import Precision
 
@@ -241,15 +243,25 @@ def advance(
         )
 
     carry = (state.llm, state.tts, state.text_prev, state.func_prev, state.frame)
-    carry, (text, func, codes, dec_codes) = jax.lax.scan(one, carry, jnp.swapaxes(proj, 0, 1))
+    decode = functools.partial(codec.decode_step, cfg=cfg.codec, matmul=precision.codec_matmul)
+    if kernels.codec_stream:
+        # The frames unrolled, each frame's codes decoded on a second stream as soon as they
+        # exist: frame t's codec step beside frame t+1's LLM and speech decoder, which do not
+        # depend on it (``streams.on_stream``).
+        outs, wavs, codec_state = [], [], state.codec
+        for t in range(proj.shape[1]):
+            carry, out_t = one(carry, proj[:, t])
+            codec_state, wav_t = streams.on_stream(decode)(
+                params.codec, codec_state, out_t[3][:, None]
+            )
+            outs.append(out_t)
+            wavs.append(wav_t)
+        text, func, codes, dec_codes = (jnp.stack(x) for x in zip(*outs, strict=True))
+        wav = jnp.concatenate(wavs, axis=1)
+    else:
+        carry, (text, func, codes, dec_codes) = jax.lax.scan(one, carry, jnp.swapaxes(proj, 0, 1))
+        codec_state, wav = decode(params.codec, state.codec, jnp.swapaxes(dec_codes, 0, 1))
     llm_state, tts_state, text_prev, func_prev, frame = carry
-    codec_state, wav = codec.decode_step(
-        params.codec,
-        state.codec,
-        jnp.swapaxes(dec_codes, 0, 1),
-        cfg=cfg.codec,
-        matmul=precision.codec_matmul,
-    )
     codec_state = keep_rows(run, codec_state, state.codec)
     new_state = FrameState(
         encoder=enc_state,

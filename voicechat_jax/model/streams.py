@@ -1,10 +1,35 @@
-"""``inlined``: a function traced with no call of its own, for a stream-annotated region
-(``run.py``). No flags here, so that tests can import it beside other experiments."""
+"""Work placed on a second GPU stream: ``on_stream`` and the ``inlined`` form it needs.
+
+XLA runs a computation marked with ``compute_on('gpu_stream:N')`` on a stream of its own when
+``--xla_gpu_experimental_stream_annotation=true`` is in ``XLA_FLAGS``, beside the main stream's
+kernels it does not depend on; without the flag (and off a GPU) it runs in program order as
+usual, with the same result. Whether XLA 0.11.2 overlaps the two is
+``experiments/stream_overlap``'s question; ``Kernels.codec_stream`` uses it for the codec.
+"""
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 from jax import lax
+from jax.experimental.compute_on import compute_on
+
+
+def on_stream(fn, stream: int = 1):
+    """``inlined(fn)`` placed on GPU stream ``stream``: jax 0.11 made ``compute_on`` a function
+    transform (``compute_type=``, ``out_memory_spaces=``); jax 0.10 has it as a context manager."""
+    fn = inlined(fn)
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(
+            fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device
+        )
+
+    def call(*args):
+        with compute_on(f"gpu_stream:{stream}"):
+            return jax.jit(fn)(*args)
+
+    return call
 
 
 def inlined(fn):
