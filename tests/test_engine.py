@@ -181,41 +181,9 @@ def test_resident_warm_up_runs_one_iteration_aside_from_the_host(engine):
     assert calls == [("deliver", 0), ("next", 0)]
 
 
-def test_codec_on_a_second_stream_keeps_tokens_and_codes(params):
-    """``Kernels(codec_stream=True)``: the beat's frames unrolled, each frame's codes decoded on
-    a second stream (program order off a GPU). The same tokens and codes and state as the scan's
-    frames; the waveform, decoded a frame at a time, to fp32 rounding."""
-    x = _speech(2, 31)
-    template = voicechat.initial_state(params, cfg=CFG, precision=PREC, max_len=64)
-    key = jnp.asarray(session_key(7, "s"))[None]
-    runs = {}
-    for streamed in (False, True):
-        advance = jax.jit(
-            functools.partial(
-                voicechat.advance,
-                cfg=CFG,
-                precision=PREC,
-                deterministic=False,
-                kernels=Kernels(codec_stream=streamed),
-            )
-        )
-        state, outs = template, []
-        for t in range(3):
-            state, out = advance(
-                params, state, jnp.asarray(x[None, t * BEAT : (t + 1) * BEAT]), key
-            )
-            outs.append(out)
-        runs[streamed] = (state, outs)
-    (s0, o0), (s1, o1) = runs[False], runs[True]
-    for a, b in zip(o0, o1, strict=True):
-        for name in ("text", "function", "codes", "transcript", "n_transcript"):
-            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
-        np.testing.assert_allclose(a.wav, b.wav, rtol=0, atol=1e-5)
-    chex.assert_trees_all_close(s0, s1, atol=1e-5, rtol=0)
-
-
 def test_served_frames_equal_the_model_alone(engine, params):
-    """A served session's frames equal ``voicechat.advance`` on its audio alone, frame by frame."""
+    """A served session's frames equal ``voicechat.advance`` on its audio alone, frame by frame;
+    and so do the frames of ``advance`` with the codec on a second stream."""
     x = _speech(2, 30)
     server = _serve(engine, [SessionPlan(id="m", audio=x)], 6)
     served = _out(server, "m")
@@ -235,6 +203,26 @@ def test_served_frames_equal_the_model_alone(engine, params):
     # The waveform is computed in a batch of 3 slots vs 1: XLA's CPU kernels may round differently
     # per batch size (seen: 2e-7 absolute), never the tokens or codes.
     np.testing.assert_allclose(served["wav"], np.concatenate(wav), rtol=0, atol=1e-5)
+
+    # ``Kernels(codec_stream=True)``: the beat's frames unrolled, each frame's codes decoded on a
+    # second stream (program order off a GPU): the same tokens, codes and state; the waveform,
+    # decoded a frame at a time, to fp32 rounding.
+    streamed = jax.jit(
+        functools.partial(
+            voicechat.advance,
+            cfg=CFG,
+            precision=PREC,
+            deterministic=False,
+            kernels=Kernels(codec_stream=True),
+        )
+    )
+    other = template
+    for t in range(6):
+        other, out = streamed(params, other, jnp.asarray(x[None, t * BEAT : (t + 1) * BEAT]), key)
+        np.testing.assert_array_equal(out.text[0], text[t])
+        np.testing.assert_array_equal(out.codes[0], codes[t])
+        np.testing.assert_allclose(out.wav[0], wav[t], rtol=0, atol=1e-5)
+    chex.assert_trees_all_close(other, state, atol=1e-5, rtol=0)
 
 
 def _sliced_weights(params, template) -> set[str]:
