@@ -17,8 +17,9 @@ mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 R='$QUEUE_ROWS'  # expanded by the queue, which exports it
 log=">> $R/logs.txt 2>&1"
 cap="python3 experiments/capacity/serve.py --out=$R/capacity.jsonl"
-prof="python3 experiments/tick_profile/run.py --ticks=1 --probe_ticks=5 --commit=$EXPERIMENTS_COMMIT"
-prof="XLA_FLAGS=--xla_enable_command_buffers_during_profiling=false $prof"
+profile="python3 experiments/tick_profile/run.py --ticks=1 --probe_ticks=5 --commit=$EXPERIMENTS_COMMIT"
+unbuffered="--xla_enable_command_buffers_during_profiling=false"
+prof="XLA_FLAGS=$unbuffered $profile"
 overlap="python3 experiments/stream_overlap/run.py --out=$R/stream_overlap.jsonl"
 keep_profile() {  # the profile's rows and table, appended to one file each (rows name the run)
   echo "cat /tmp/tp_$1/rows.jsonl >> $R/tick_profile.jsonl; cat /tmp/tp_$1/table.md >> $R/tick_profile.md"
@@ -40,13 +41,11 @@ if ((mem > 100000)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 b
   # issue 33 at the target's 96 slots, every cache full, against this machine's own reference:
   # each frame's codec on a second stream (the flag that lets XLA overlap it), and three TF32
   # passes for the speech decoder and codec (on an H100 at 40 they paid only in the codec)
-  full="$prof --hold_full=true --slots=$slots"
-  streamed="--xla_gpu_experimental_stream_annotation=true"
-  streamed="$streamed --xla_enable_command_buffers_during_profiling=false"
-  streamed="XLA_FLAGS='$streamed' ${full#XLA_FLAGS=* }"
-  last=("$full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
-    "$streamed --codec_stream --out_dir=/tmp/tp_cs_96 $log; $(keep_profile cs_96)"
-    "$full --policy=tf32x3_tts_codec --out_dir=/tmp/tp_x3_96 $log; $(keep_profile x3_96)"
+  full="--hold_full=true --slots=$slots"
+  streamed="XLA_FLAGS='--xla_gpu_experimental_stream_annotation=true $unbuffered' $profile"
+  last=("$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
+    "$streamed $full --codec_stream --out_dir=/tmp/tp_cs_96 $log; $(keep_profile cs_96)"
+    "$prof $full --policy=tf32x3_tts_codec --out_dir=/tmp/tp_x3_96 $log; $(keep_profile x3_96)"
     "$fp32 --algorithms=float32,pallas_float32 $log"
     "$cap --sessions=96 --policies=reference --loops=dispatch $log"
     "$dc --label=default $log"

@@ -51,12 +51,10 @@ def both(tp, cache, x, cp, cstate, codes, *, tcfg, ccfg, streams: bool):
     """The backbone step, and beside it (no data between them) the codec step:
     ((cache, codec state), (h, wav))."""
     cache, h = gemma.forward(tp, cache, x, cfg=tcfg)
-    # inlined in both programs, so that the stream is their one difference
-    decode = inlined(functools.partial(codec.decode_step, cfg=ccfg))
-    if streams:
-        cstate, wav = on_stream(decode, 1)(cp, cstate, codes)
-    else:
-        cstate, wav = decode(cp, cstate, codes)
+    # inlined in both programs (``on_stream`` inlines), so that the stream is their one difference
+    decode = functools.partial(codec.decode_step, cfg=ccfg)
+    place = functools.partial(on_stream, stream=1) if streams else inlined
+    cstate, wav = place(decode)(cp, cstate, codes)
     return (cache, cstate), (h, wav)
 
 

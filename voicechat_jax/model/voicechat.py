@@ -249,11 +249,10 @@ def advance(
         # exist: frame t's codec step beside frame t+1's LLM and speech decoder, which do not
         # depend on it (``streams.on_stream``).
         outs, wavs, codec_state = [], [], state.codec
+        decode_beside = streams.on_stream(decode)
         for t in range(proj.shape[1]):
             carry, out_t = one(carry, proj[:, t])
-            codec_state, wav_t = streams.on_stream(decode)(
-                params.codec, codec_state, out_t[3][:, None]
-            )
+            codec_state, wav_t = decode_beside(params.codec, codec_state, out_t[3][:, None])
             outs.append(out_t)
             wavs.append(wav_t)
         text, func, codes, dec_codes = (jnp.stack(x) for x in zip(*outs, strict=True))

@@ -275,6 +275,11 @@ class RolloverPolicy:
         rolled-over session has room to talk before the next roll-over)."""
         return 0 if self.mode != MEMORY else min(self.capsule_tokens, self.soft_frames // 2)
 
+    def due(self, context: int) -> bool:
+        """A session with ``context`` frames may be rolled over this beat: past the soft
+        threshold, where its pause is read (``plan`` looks at no other)."""
+        return self.host_rolls and context >= self.soft_frames
+
     def decide(self, context: int, silent_frames: int) -> str | None:
         """``"hard"``, ``"pause"`` or None for a session with ``context`` frames in its LLM
         context whose two sides have been silent for ``silent_frames`` frames."""
@@ -300,7 +305,7 @@ class RolloverPolicy:
         """
         if not self.host_rolls:
             return []
-        due = sorted((s for s in sessions if s[1] >= self.soft_frames), key=lambda s: -s[1])
+        due = sorted((s for s in sessions if self.due(s[1])), key=lambda s: -s[1])
         reasons = [(b, self.decide(c, q)) for b, c, q in due]  # most context first, both lists
         hard = [(b, r) for b, r in reasons if r == "hard"]
         pause = [(b, r) for b, r in reasons if r == "pause"]

@@ -277,16 +277,14 @@ class BeatPlanner:
             self._context[sid] = n
         self._rolling = {}
         running = []  # (slot, context, silent frames) of the sessions that run this beat
-        soft = policy.soft_frames if policy.host_rolls else None
         for b, sid in enumerate(live):
             if sid is None or not beat.run[b] or b in applied:
                 continue
             context = self._context.get(sid, 0)
             memory = self._memories.get(sid)
-            # the pause is read only where the policy looks at it: past the soft threshold
-            past_soft = soft is not None and context >= soft
-            silent = memory.silent_frames() if memory is not None and past_soft else 0
-            running.append((b, context, silent))
+            # the pause is read only where the policy looks at it (``RolloverPolicy.due``)
+            due = memory is not None and policy.due(context)
+            running.append((b, context, memory.silent_frames() if due else 0))
         for b, reason in policy.plan(running):
             sid = live[b]
             memory = self._memories.get(sid)
