@@ -21,13 +21,18 @@ profile="python3 experiments/tick_profile/run.py --ticks=1 --probe_ticks=5 --com
 unbuffered="--xla_enable_command_buffers_during_profiling=false"
 prof="XLA_FLAGS=$unbuffered $profile"
 overlap="python3 experiments/stream_overlap/run.py --out=$R/stream_overlap.jsonl"
+overlaps() {  # experiments/stream_overlap at $1 slots, without and with the stream flag
+  overlap_runs=("$overlap --slots=$1 --label=default $log"
+    "XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true $overlap --slots=$1 --label=stream_annotation $log")
+}
 keep_profile() {  # the profile's rows and table, appended to one file each (rows name the run)
   echo "cat /tmp/tp_$1/rows.jsonl >> $R/tick_profile.jsonl; cat /tmp/tp_$1/table.md >> $R/tick_profile.md"
 }
 if ((mem > 100000)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
   slots=96
+  overlaps $slots
   # issue 30: the resident loop at the target's count (cut off on 2026-12-05), to choose the
-  # default loop; then issue 33's overlap (below), then the aims on the dispatch loop, whose
+  # default loop; then issue 33's tick, products and overlap, then the aims on the dispatch loop, whose
   # pickup now copies one packed array. The tick has not changed since the 2026-12-05 profile.
   cmds=("$cap --sessions=80 --policies=reference --loops=resident $log")
   # issue 33: full-fp32 products in our own Triton kernel against cuBLAS at the tick's rows
@@ -43,10 +48,12 @@ if ((mem > 100000)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 b
   # passes for the speech decoder and codec (on an H100 at 40 they paid only in the codec)
   full="--hold_full=true --slots=$slots"
   streamed="XLA_FLAGS='--xla_gpu_experimental_stream_annotation=true $unbuffered' $profile"
+  # (the engine's own streamed tick first, the synthetic overlap experiment after it)
   last=("$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
     "$streamed $full --codec_stream --out_dir=/tmp/tp_cs_96 $log; $(keep_profile cs_96)"
-    "$prof $full --policy=tf32x3_tts_codec --out_dir=/tmp/tp_x3_96 $log; $(keep_profile x3_96)"
     "$fp32 --algorithms=float32,pallas_float32 $log"
+    "${overlap_runs[@]}"
+    "$prof $full --policy=tf32x3_tts_codec --out_dir=/tmp/tp_x3_96 $log; $(keep_profile x3_96)"
     "$cap --sessions=96 --policies=reference --loops=dispatch $log"
     "$dc --label=default $log"
     "XLA_FLAGS='$graph' $dc --label=whole_graph $log"
@@ -55,15 +62,21 @@ if ((mem > 100000)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 b
     "$prof --hold_full=true --slots=112 --out_dir=/tmp/tp_112 $log; $(keep_profile 112)")
 else  # an H100 (2026-12-05, d4d68c4: 48 faithful held; the plan admits 52 since 2710080, 86 bf16)
   slots=40
-  cmds=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
+  overlaps $slots
+  # issue 33's overlap first (the H200's questions, at the slots an H100 holds): the full-cache
+  # tick against each frame's codec on a second stream, then the synthetic experiment
+  full="--hold_full=true --slots=$slots"
+  streamed="XLA_FLAGS='--xla_gpu_experimental_stream_annotation=true $unbuffered' $profile"
+  cmds=("$prof $full --out_dir=/tmp/tp_ref_40 $log; $(keep_profile ref_40)"
+    "$streamed $full --codec_stream --out_dir=/tmp/tp_cs_40 $log; $(keep_profile cs_40)"
+    "${overlap_runs[@]}")
   cmds+=("$cap --sessions=52 --policies=reference --loops=dispatch $log")
+  cmds+=("$cap --sessions=52 --policies=reference --loops=resident $log")
+  cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
   # the G = 1 speech-decoder kernel below AUTO_KERNELS' 56 slots, on caches as they fill
   prof="$prof --hold_full=false --tts_attention=pallas_mha"
-  cmds+=("$prof --slots=$slots --out_dir=/tmp/tp_mha $log; $(keep_profile mha)")
-  last=("$cap --sessions=52 --policies=reference --loops=resident $log")
+  last=("$prof --slots=$slots --out_dir=/tmp/tp_mha $log; $(keep_profile mha)")
 fi
-cmds+=("$overlap --slots=$slots --label=default $log")
-cmds+=("XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true $overlap --slots=$slots --label=stream_annotation $log")
 cmds+=("${last[@]}")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 experiments/device_queue.sh start "${cmds[@]}"
