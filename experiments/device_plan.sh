@@ -52,6 +52,9 @@ if ((mem > 100000)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 b
   last=("$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
     "$streamed $full --codec_stream --out_dir=/tmp/tp_cs_96 $log; $(keep_profile cs_96)"
     "$fp32 --algorithms=float32,pallas_float32 $log"
+    # the codec's products under three TF32 passes against full fp32, each against float64:
+    # the measurement that would let tf32x3_codec's products stand in for the faithful ones
+    "$fp32 --shapes=codec --algorithms=float32,TF32_TF32_F32_X3 $log"
     "${overlap_runs[@]}"
     "$prof $full --policy=tf32x3_tts_codec --out_dir=/tmp/tp_x3_96 $log; $(keep_profile x3_96)"
     "$cap --sessions=96 --policies=reference --loops=dispatch $log"

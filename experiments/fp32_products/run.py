@@ -23,6 +23,7 @@ from absl import app, flags
 from experiments import harness
 from pallas_kernels.matmul import matmul
 from voicechat_jax import config as config_lib
+from voicechat_jax.model import codec as codec_lib
 from voicechat_jax.model import ear_tts
 
 FLAGS = flags.FLAGS
@@ -37,6 +38,12 @@ flags.DEFINE_list(
     "of 2026-12-05 had all five of float32, tensorfloat32, TF32_TF32_F32_X3, BF16_BF16_F32_X6 "
     "and BF16_BF16_F32_X9: 80 programs, 7.5 minutes of compiles and autotuning.",
 )
+flags.DEFINE_list(
+    "shapes",
+    ["tts", "mog", "enc"],
+    "Which products: names from shapes() or their prefixes (tts, mog, enc, codec). The codec's "
+    "are not in the default: they ran at 70 % of the H200's fp32 rate in the tick (2026-12-05).",
+)
 flags.DEFINE_integer("layers", 8, "Distinct weights per timed program (products per call).")
 flags.DEFINE_integer("calls", 20, "Timed calls per row (after 3 warm-up calls).")
 flags.DEFINE_string("model", "voicechat_11b", "Preset whose shapes are used: voicechat_11b | tiny.")
@@ -45,11 +52,14 @@ flags.DEFINE_string("out", None, "JSON-lines output file (appended).")
 
 def shapes(cfg: config_lib.ModelConfig) -> list[tuple[str, int, int, int, int]]:
     """(name, rows per slot, D, F, products per frame) of each fp32 product of a frame, in the
-    serving layout (``voicechat.serving_layout``: q|k|v and gate|up fused)."""
+    serving layout (``voicechat.serving_layout``: q|k|v and gate|up fused). The speech decoder
+    and MoG trunk count cond and uncond rows (2 a slot); the codec decoder's rows grow by each
+    stage's rate (``codec._decoder_trunk``: one code frame, then 9, 63 and 441 rows at the
+    release's rates), and its ConvNeXt blocks' products are C -> 4C -> C."""
     t, e = cfg.tts, cfg.encoder
     q, kv = t.n_heads * t.head_dim, t.n_kv_heads * t.head_dim
     mog_rounds = len(ear_tts.schedule(t))  # the MoG head's rounds a frame (5 at the release's)
-    return [
+    rows = [
         ("tts_qkv", 2, t.d_model, q + 2 * kv, t.n_layers),
         ("tts_o", 2, q, t.d_model, t.n_layers),
         ("tts_gate_up", 2, t.d_model, 2 * t.mlp_dim, t.n_layers),
@@ -59,6 +69,18 @@ def shapes(cfg: config_lib.ModelConfig) -> list[tuple[str, int, int, int, int]]:
         ("enc_ff_up", 1, e.d_model, e.ff_dim, 2 * e.n_layers),
         ("enc_ff_down", 1, e.ff_dim, e.d_model, 2 * e.n_layers),
     ]
+    c, n = cfg.codec, 1
+    for s, (c_in, C, r) in enumerate(codec_lib._decoder_dims(c), start=1):
+        rows.append((f"codec_up{s}", n, c_in, r * C, 1))
+        n *= r
+        rows.append((f"codec_pw1_{s}", n, C, 4 * C, c.num_blocks))
+        rows.append((f"codec_pw2_{s}", n, 4 * C, C, c.num_blocks))
+    return rows
+
+
+def selected(all_shapes, names) -> list:
+    """The shapes named in ``names`` (a full name or a prefix such as ``codec``)."""
+    return [row for row in all_shapes if any(row[0] == k or row[0].startswith(k) for k in names)]
 
 
 def precision_of(name: str):
@@ -104,7 +126,7 @@ def main(argv):
     log = harness.RowLog(FLAGS.out)
     rng = np.random.default_rng(0)
     table = []
-    for name, per_slot, D, F, per_frame in shapes(cfg):
+    for name, per_slot, D, F, per_frame in selected(shapes(cfg), FLAGS.shapes):
         ws = tuple(
             jnp.asarray(rng.standard_normal((D, F), np.float32) / np.sqrt(D))
             for _ in range(FLAGS.layers)
