@@ -9,7 +9,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from experiments.fp32_products import run as fp32_products
+from experiments.fp32_products import shapes as fp32_products
 from voicechat_jax import config as config_lib
 from voicechat_jax.model import codec as codec_lib
 from voicechat_jax.precision import Precision

@@ -21,10 +21,9 @@ import numpy as np
 from absl import app, flags
 
 from experiments import harness
+from experiments.fp32_products.shapes import selected, shapes
 from pallas_kernels.matmul import matmul
 from voicechat_jax import config as config_lib
-from voicechat_jax.model import codec as codec_lib
-from voicechat_jax.model import ear_tts
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -48,39 +47,6 @@ flags.DEFINE_integer("layers", 8, "Distinct weights per timed program (products 
 flags.DEFINE_integer("calls", 20, "Timed calls per row (after 3 warm-up calls).")
 flags.DEFINE_string("model", "voicechat_11b", "Preset whose shapes are used: voicechat_11b | tiny.")
 flags.DEFINE_string("out", None, "JSON-lines output file (appended).")
-
-
-def shapes(cfg: config_lib.ModelConfig) -> list[tuple[str, int, int, int, int]]:
-    """(name, rows per slot, D, F, products per frame) of each fp32 product of a frame, in the
-    serving layout (``voicechat.serving_layout``: q|k|v and gate|up fused). The speech decoder
-    and MoG trunk count cond and uncond rows (2 a slot); the codec decoder's rows grow by each
-    stage's rate (``codec._decoder_trunk``: one code frame, then 9, 63 and 441 rows at the
-    release's rates), and its ConvNeXt blocks' products are C -> 4C -> C."""
-    t, e = cfg.tts, cfg.encoder
-    q, kv = t.n_heads * t.head_dim, t.n_kv_heads * t.head_dim
-    mog_rounds = len(ear_tts.schedule(t))  # the MoG head's rounds a frame (5 at the release's)
-    rows = [
-        ("tts_qkv", 2, t.d_model, q + 2 * kv, t.n_layers),
-        ("tts_o", 2, q, t.d_model, t.n_layers),
-        ("tts_gate_up", 2, t.d_model, 2 * t.mlp_dim, t.n_layers),
-        ("tts_down", 2, t.mlp_dim, t.d_model, t.n_layers),
-        ("mog_gate_up", 2, t.d_model, 2 * t.mlp_dim, t.mog_mlp_layers * mog_rounds),
-        ("mog_down", 2, t.mlp_dim, t.d_model, t.mog_mlp_layers * mog_rounds),
-        ("enc_ff_up", 1, e.d_model, e.ff_dim, 2 * e.n_layers),
-        ("enc_ff_down", 1, e.ff_dim, e.d_model, 2 * e.n_layers),
-    ]
-    c, n = cfg.codec, 1
-    for s, (c_in, C, r) in enumerate(codec_lib._decoder_dims(c), start=1):
-        rows.append((f"codec_up{s}", n, c_in, r * C, 1))
-        n *= r
-        rows.append((f"codec_pw1_{s}", n, C, 4 * C, c.num_blocks))
-        rows.append((f"codec_pw2_{s}", n, 4 * C, C, c.num_blocks))
-    return rows
-
-
-def selected(all_shapes, names) -> list:
-    """The shapes named in ``names`` (a full name or a prefix such as ``codec``)."""
-    return [row for row in all_shapes if any(row[0] == k or row[0].startswith(k) for k in names)]
 
 
 def precision_of(name: str):
