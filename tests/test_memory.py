@@ -74,8 +74,7 @@ def test_plan_refuses_slots_that_do_not_fit(engine):
     # A budget for about 5 slots (after the fixed scratch, one capsule's LLM state and each
     # slot's share of scratch) refuses 16 and names what fits.
     one = plan_memory(template, 1, limit_bytes=2**40, in_use_bytes=0)
-    fixed = one.scratch_bytes - one.scratch_slot_bytes  # the fixed part and a capsule's LLM state
-    limit = fixed + int(5.5 * (slot + one.scratch_slot_bytes))
+    limit = one.scratch_fixed_bytes + int(5.5 * (slot + one.scratch_slot_bytes))
     plan = plan_memory(template, 16, limit_bytes=limit, in_use_bytes=0)
     assert not plan.fits
     assert plan.max_slots == 5

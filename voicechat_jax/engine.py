@@ -58,9 +58,14 @@ class MemoryPlan:
     state_bytes: int  # slots * slot_bytes
     limit_bytes: int | None  # the device allocator's limit (None: unknown, e.g. the CPU)
     in_use_bytes: int  # already allocated (weights, template) when the plan was made
-    # kept free: the tick's scratch and a capsule prefilled a beat ahead; of it, per slot:
-    scratch_bytes: int
-    scratch_slot_bytes: int = 0
+    # kept free for the tick's scratch and a capsule prefilled a beat ahead: a fixed part, and a
+    # part per slot
+    scratch_fixed_bytes: int
+    scratch_slot_bytes: int
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self.scratch_fixed_bytes + self.slots * self.scratch_slot_bytes
 
     @property
     def free_bytes(self) -> int | None:
@@ -73,8 +78,7 @@ class MemoryPlan:
         """The most slots whose state and scratch fit beside what is in use."""
         if self.limit_bytes is None:
             return None
-        fixed = self.scratch_bytes - self.slots * self.scratch_slot_bytes
-        free = self.limit_bytes - self.in_use_bytes - fixed
+        free = self.limit_bytes - self.in_use_bytes - self.scratch_fixed_bytes
         return max(0, free // (self.slot_bytes + self.scratch_slot_bytes))
 
     @property
@@ -161,17 +165,16 @@ def plan_memory(
     in_use = dev_in_use if in_use_bytes is None else in_use_bytes
     # Scratch: the tick's (``SCRATCH_FIXED_BYTES`` and ``SCRATCH_SLOT_BYTES`` a slot), and one
     # roll-over's capsule prefilled a beat ahead (an LLM state).
-    lane = _tree_bytes(template.llm)
-    per = 0 if limit is None else SCRATCH_SLOT_BYTES
-    scratch = 0 if limit is None else SCRATCH_FIXED_BYTES + lane + slots * per
+    known = limit is not None
+    fixed = SCRATCH_FIXED_BYTES + _tree_bytes(template.llm) if known else 0
     return MemoryPlan(
         slots=slots,
         slot_bytes=per_slot,
         state_bytes=slots * per_slot,
         limit_bytes=limit,
         in_use_bytes=in_use,
-        scratch_bytes=scratch,
-        scratch_slot_bytes=per,
+        scratch_fixed_bytes=fixed,
+        scratch_slot_bytes=SCRATCH_SLOT_BYTES if known else 0,
     )
 
 
