@@ -21,19 +21,23 @@ profile="python3 experiments/tick_profile/run.py --ticks=1 --probe_ticks=5 --com
 unbuffered="--xla_enable_command_buffers_during_profiling=false"
 prof="XLA_FLAGS=$unbuffered $profile"
 overlap="python3 experiments/stream_overlap/run.py --out=$R/stream_overlap.jsonl"
-overlaps() {  # experiments/stream_overlap at $1 slots, without and with the stream flag
-  overlap_runs=("$overlap --slots=$1 --label=default $log"
-    "XLA_FLAGS=--xla_gpu_experimental_stream_annotation=true $overlap --slots=$1 --label=stream_annotation $log")
-}
 keep_profile() {  # the profile's rows and table, appended to one file each (rows name the run)
   echo "cat /tmp/tp_$1/rows.jsonl >> $R/tick_profile.jsonl; cat /tmp/tp_$1/table.md >> $R/tick_profile.md"
 }
-if ((mem > 100000)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
-  slots=96
-  overlaps $slots
+h200=$((mem > 100000))
+slots=$((h200 ? 96 : 40))  # issue 33's target on an H200; what an H100 holds
+# issue 33's overlap, on either card: the full-cache tick against this machine's own reference,
+# with each frame's codec on a second stream (the flag lets XLA overlap it), and the synthetic
+# experiment (stream_overlap) without and with the flag
+full="--hold_full=true --slots=$slots"
+stream_flag="--xla_gpu_experimental_stream_annotation=true"
+streamed="XLA_FLAGS='$stream_flag $unbuffered' $profile"
+overlap_runs=("$overlap --slots=$slots --label=default $log"
+  "XLA_FLAGS=$stream_flag $overlap --slots=$slots --label=stream_annotation $log")
+if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
   # issue 30: the resident loop at the target's count (cut off on 2026-12-05), to choose the
-  # default loop; then issue 33's tick, products and overlap, then the aims on the dispatch loop, whose
-  # pickup now copies one packed array. The tick has not changed since the 2026-12-05 profile.
+  # default loop; then issue 33's tick, products and overlap, then the aims on the dispatch
+  # loop, whose pickup now copies one packed array.
   cmds=("$cap --sessions=80 --policies=reference --loops=resident $log")
   # issue 33: full-fp32 products in our own Triton kernel against cuBLAS at the tick's rows
   fp32="python3 experiments/fp32_products/run.py --out=$R/fp32_products.jsonl --slots=$slots"
@@ -43,12 +47,9 @@ if ((mem > 100000)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 b
   dc="$dc --slots=16 --ticks=50 --out=$R/dispatch_cost.jsonl"
   graph="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL"
   graph="$graph --xla_gpu_graph_min_graph_size=1"
-  # issue 33 at the target's 96 slots, every cache full, against this machine's own reference:
-  # each frame's codec on a second stream (the flag that lets XLA overlap it), and three TF32
-  # passes for the speech decoder and codec (on an H100 at 40 they paid only in the codec)
-  full="--hold_full=true --slots=$slots"
-  streamed="XLA_FLAGS='--xla_gpu_experimental_stream_annotation=true $unbuffered' $profile"
-  # (the engine's own streamed tick first, the synthetic overlap experiment after it)
+  # issue 33 at the target's 96 slots: the engine's own streamed tick first, the synthetic
+  # overlap experiment after it, and three TF32 passes for the speech decoder and codec (on an
+  # H100 at 40 they paid only in the codec)
   last=("$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
     "$streamed $full --codec_stream --out_dir=/tmp/tp_cs_96 $log; $(keep_profile cs_96)"
     "$fp32 --algorithms=float32,pallas_float32 $log"
@@ -64,12 +65,7 @@ if ((mem > 100000)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 b
     # issue 33's second target (135 ms at 112), which the memory plan admits since 2710080
     "$prof --hold_full=true --slots=112 --out_dir=/tmp/tp_112 $log; $(keep_profile 112)")
 else  # an H100 (2026-12-05, d4d68c4: 48 faithful held; the plan admits 52 since 2710080, 86 bf16)
-  slots=40
-  overlaps $slots
-  # issue 33's overlap first (the H200's questions, at the slots an H100 holds): the full-cache
-  # tick against each frame's codec on a second stream, then the synthetic experiment
-  full="--hold_full=true --slots=$slots"
-  streamed="XLA_FLAGS='--xla_gpu_experimental_stream_annotation=true $unbuffered' $profile"
+  # issue 33's overlap first (the H200's questions, at the slots an H100 holds)
   cmds=("$prof $full --out_dir=/tmp/tp_ref_40 $log; $(keep_profile ref_40)"
     "$streamed $full --codec_stream --out_dir=/tmp/tp_cs_40 $log; $(keep_profile cs_40)"
     "${overlap_runs[@]}")
