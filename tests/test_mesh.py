@@ -402,8 +402,8 @@ def test_llm_state_sharded_over_model(tp, layout):
             "shard": [slots, llm.mamba_heads // m, llm.mamba_head_dim, llm.ssm_state],
         },
         "conv": {
-            "spec": ["data", None, None, "model"],
-            "shard": [slots, len(llm.layers_of("M")), llm.conv_kernel - 1, local.conv_dim],
+            "spec": ["data", None, "model"],
+            "shard": [slots, llm.conv_kernel - 1, local.conv_dim],
         },
         "k": {"spec": ["data", "model"], "shard": [slots, local.n_kv_heads, S, llm.head_dim]},
         "v": {"spec": ["data", "model"], "shard": [slots, local.n_kv_heads, S, llm.head_dim]},

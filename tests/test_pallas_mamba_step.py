@@ -261,7 +261,7 @@ def test_switch_is_validated():
             p,
             0,
             jnp.zeros((1, cfg.d_model)),
-            st.conv[:, 0],
+            st.conv[0],
             st.ssm[0],
             jnp.ones(1, bool),
             cfg,

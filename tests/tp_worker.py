@@ -145,7 +145,7 @@ def _llm_placement(engine: Engine, mesh) -> dict:
 
     named = {
         "ssm": llm.ssm[0],
-        "conv": llm.conv,
+        "conv": llm.conv[0],
         "k": llm.k[0],
         "v": llm.v[0],
         "length": llm.length,

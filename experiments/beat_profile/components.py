@@ -155,7 +155,7 @@ def profile(engine, *, repeats: int = 10, seed: int = 0) -> list[Row]:
         return (conv, ssm), out
 
     f = jax.jit(mamba_fn, donate_argnums=(2,))
-    carry = (model.llm.conv[:, 0], model.llm.ssm[0])
+    carry = (model.llm.conv[0], model.llm.ssm[0])
     layer_w = jax.tree_util.tree_map(lambda w: w[0], params.llm.mamba)
     t, carry = _time(f, (params.llm.mamba, h), carry, repeats=repeats)
     add(f"LLM Mamba-2 (x{L_m})", t, nbytes(layer_w) + 2 * nbytes(carry), L_m)

@@ -149,13 +149,13 @@ def per_layer_specs(specs: NanoParams, cfg: LLMConfig) -> NanoParams:
 class NanoState:
     """Per-slot recurrent state of the LLM: arrays only, slot axis B first.
 
-    The SSM state and the attention caches are one leaf per layer, each in the layout its decode
-    update reads (a whole buffer per layer: no strided slab of a stacked array, one kernel compile
-    for every layer); the conv state is small and stays stacked.
+    Every state is one leaf per layer, each in the layout its decode update reads (a whole
+    buffer per layer: no strided slab of a stacked array copied out and scattered back, one
+    kernel compile for every layer).
     """
 
     ssm: tuple[jax.Array, ...]  # L_m x [B, N, H, P] Mamba SSM state, precision.ssm_state
-    conv: jax.Array  # [B, L_m, k-1, C] last k-1 conv inputs (raw xBC), precision.ssm_state
+    conv: tuple[jax.Array, ...]  # L_m x [B, k-1, C] last k-1 conv inputs (raw xBC), ssm_state
     k: tuple[jax.Array, ...]  # L_a x [B, K, S, H] attention keys, precision.llm_kv
     v: tuple[jax.Array, ...]  # L_a x [B, K, S, H] attention values, precision.llm_kv
     length: jax.Array  # [B] int32 positions consumed so far (= next cache row)
@@ -225,7 +225,10 @@ def init_state(cfg: LLMConfig, batch: int, max_len: int, precision: Precision) -
     kv = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
     return NanoState(
         ssm=tuple(jnp.zeros(ssm, precision.ssm_state) for _ in range(L_m)),
-        conv=jnp.zeros((batch, L_m, cfg.conv_kernel - 1, cfg.conv_dim), precision.ssm_state),
+        conv=tuple(
+            jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), precision.ssm_state)
+            for _ in range(L_m)
+        ),
         k=tuple(jnp.zeros(kv, precision.llm_kv) for _ in range(L_a)),
         v=tuple(jnp.zeros(kv, precision.llm_kv) for _ in range(L_a)),
         length=jnp.zeros((batch,), jnp.int32),
@@ -389,13 +392,15 @@ def _mamba_step(
     return new_conv.astype(conv.dtype), ssm, out
 
 
-def _mamba_step_fused(p: MambaParams, j: int, h, conv, ssm, run, cfg: LLMConfig, projection: str):
+def _mamba_step_fused(
+    p: MambaParams, j: int, h, conv, ssm, run, cfg: LLMConfig, ssm_kernel: str, projection: str
+):
     """``_mamba_step`` with conv, SSM update and gated norm in one kernel, states in place.
 
-    ``pallas_kernels.mamba_step`` between the two projections. conv [B, L_m, k-1, C] is the whole
-    stacked conv state (layer j's rows are updated in place, no slice copied out and back); a row
-    that does not run is skipped by the kernel (state untouched, out meaningless). Returns
-    (conv, ssm, out [B, D]).
+    ``pallas_kernels.mamba_step`` between the two projections, given layer j's conv state
+    [B, k-1, C] as a one-layer stack (a reshape, no copy) and layer j's per-channel weights; a
+    row that does not run is skipped by the kernel (state untouched, out meaningless).
+    ``ssm_kernel`` is 'fused' (the signature is ``_mamba_step``'s). Returns (conv, ssm, out [B, D]).
     """
     if isinstance(cfg, LLMShard) and cfg.norm_ranks > 1:
         raise ValueError(
@@ -403,24 +408,28 @@ def _mamba_step_fused(p: MambaParams, j: int, h, conv, ssm, run, cfg: LLMConfig,
             f"divide by model_parallel={cfg.model_parallel} (use 'xla' or 'pallas')"
         )
     zxbcdt = matmul(h, p.in_proj, layer=j, impl=projection)
+
+    def one(w):  # layer j's rows of a stacked per-channel weight, as a one-layer stack
+        return w[j : j + 1]
+
     conv, ssm, y = mamba_step(
         zxbcdt,
-        conv,
+        conv[:, None],
         ssm,
-        p.conv_w,
-        p.conv_b,
-        p.dt_bias,
-        p.A_log,
-        p.D,
-        p.gate_norm,
+        one(p.conv_w),
+        one(p.conv_b),
+        one(p.dt_bias),
+        one(p.A_log),
+        one(p.D),
+        one(p.gate_norm),
         run,
-        layer=j,
+        layer=0,
         n_groups=cfg.n_groups,
         eps=cfg.norm_eps,
         # No CPU lowering: the kernel runs in the Pallas interpreter there (trace time).
         interpret=jax.default_backend() == "cpu",
     )
-    return conv, ssm, all_reduce(matmul(y, p.out_proj, layer=j, impl=projection), cfg)
+    return conv[:, 0], ssm, all_reduce(matmul(y, p.out_proj, layer=j, impl=projection), cfg)
 
 
 def _segsum(a: jax.Array) -> jax.Array:
@@ -615,15 +624,14 @@ def prefill(
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
     valid = jnp.arange(T)[None] < lengths[:, None]  # [B, T]
     pos = state.length
-    ssm, conv, kc, vc = list(state.ssm), state.conv, list(state.k), list(state.v)
+    ssm, conv, kc, vc = list(state.ssm), list(state.conv), list(state.k), list(state.v)
     x = embeds.astype(F32)
     for kind, j in _layer_slots(cfg):
         if kind == "M":
             h = _block_norm(params.mamba.norm[j], x, act, cfg)
-            c_j, ssm[j], out = _mamba_prefill(
-                params.mamba, j, h, conv[:, j], ssm[j], valid, lengths, cfg, chunk
+            conv[j], ssm[j], out = _mamba_prefill(
+                params.mamba, j, h, conv[j], ssm[j], valid, lengths, cfg, chunk
             )
-            conv = conv.at[:, j].set(c_j)
         elif kind == "-":
             out = _mlp(params.mlp, j, _block_norm(params.mlp.norm[j], x, act, cfg), cfg=cfg)
         else:
@@ -631,7 +639,9 @@ def prefill(
             kc[j], vc[j], out = _attn(params.attn, j, h, kc[j], vc[j], pos, valid, cfg)
         x = x + out.astype(F32)
     hidden = rms_norm(x, params.norm_f, cfg.norm_eps)
-    new = NanoState(ssm=tuple(ssm), conv=conv, k=tuple(kc), v=tuple(vc), length=pos + lengths)
+    new = NanoState(
+        ssm=tuple(ssm), conv=tuple(conv), k=tuple(kc), v=tuple(vc), length=pos + lengths
+    )
     return new, hidden
 
 
@@ -676,20 +686,15 @@ def step(
     run = jnp.ones((B,), bool) if run is None else run
     act = params.embed.dtype
     pos = state.length
-    ssm, conv, kc, vc = list(state.ssm), state.conv, list(state.k), list(state.v)
+    ssm, conv, kc, vc = list(state.ssm), list(state.conv), list(state.k), list(state.v)
     x = embeds.astype(F32)
     for kind, j in _layer_slots(cfg):
         if kind == "M":
             h = _block_norm(params.mamba.norm[j], x, act, cfg)
-            if ssm_kernel == "fused":
-                conv, ssm[j], out = _mamba_step_fused(
-                    params.mamba, j, h, conv, ssm[j], run, cfg, projection
-                )
-            else:
-                c_j, ssm[j], out = _mamba_step(
-                    params.mamba, j, h, conv[:, j], ssm[j], run, cfg, ssm_kernel, projection
-                )
-                conv = conv.at[:, j].set(c_j)
+            mamba = _mamba_step_fused if ssm_kernel == "fused" else _mamba_step
+            conv[j], ssm[j], out = mamba(
+                params.mamba, j, h, conv[j], ssm[j], run, cfg, ssm_kernel, projection
+            )
         elif kind == "-":
             h = _block_norm(params.mlp.norm[j], x, act, cfg)
             out = _mlp(params.mlp, j, h, projection, cfg)
@@ -702,6 +707,10 @@ def step(
         x = x + out.astype(F32)
     hidden = rms_norm(x, params.norm_f, cfg.norm_eps)
     new = NanoState(
-        ssm=tuple(ssm), conv=conv, k=tuple(kc), v=tuple(vc), length=pos + run.astype(jnp.int32)
+        ssm=tuple(ssm),
+        conv=tuple(conv),
+        k=tuple(kc),
+        v=tuple(vc),
+        length=pos + run.astype(jnp.int32),
     )
     return new, hidden

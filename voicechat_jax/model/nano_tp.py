@@ -83,7 +83,7 @@ def state_to_tensor_parallel(state: NanoState, cfg: LLMConfig, m: int) -> NanoSt
     idx = tensor_parallel_index(cfg, m)
     kv = idx["kv"].reshape(-1)
     return state.replace(
-        conv=jnp.take(state.conv, idx["conv"], axis=3),
+        conv=tuple(jnp.take(x, idx["conv"], axis=2) for x in state.conv),
         k=tuple(jnp.take(x, kv, axis=1) for x in state.k),
         v=tuple(jnp.take(x, kv, axis=1) for x in state.v),
     )
@@ -103,7 +103,7 @@ def state_from_tensor_parallel(state: NanoState, cfg: LLMConfig, m: int) -> Nano
     conv = first(idx["conv"], cfg.conv_dim)
     kv = first(idx["kv"].reshape(-1), cfg.n_kv_heads)
     return state.replace(
-        conv=jnp.take(state.conv, conv, axis=3),
+        conv=tuple(jnp.take(x, conv, axis=2) for x in state.conv),
         k=tuple(jnp.take(x, kv, axis=1) for x in state.k),
         v=tuple(jnp.take(x, kv, axis=1) for x in state.v),
     )
@@ -145,7 +145,7 @@ def state_partition_specs(cfg: LLMConfig, axis: str = "model", batch=None) -> Na
     heads = P(batch, axis)
     return NanoState(
         ssm=tuple(heads for _ in cfg.layers_of("M")),
-        conv=P(batch, None, None, axis),
+        conv=tuple(P(batch, None, axis) for _ in cfg.layers_of("M")),
         k=tuple(heads for _ in cfg.layers_of("*")),
         v=tuple(heads for _ in cfg.layers_of("*")),
         length=P(batch),
