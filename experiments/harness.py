@@ -285,7 +285,7 @@ def abstract_tick_args(cfg, serve) -> tuple:
     params = voicechat.abstract(cfg, serve.precision)
     template = jax.eval_shape(engine_lib.template_fn(cfg, serve), params)
     with traced_as_gpu():
-        params = jax.eval_shape(voicechat.serving_layout, params)
+        params = jax.eval_shape(lambda p: voicechat.serving_layout(p, serve.precision), params)
     state = jax.eval_shape(lambda t: state_lib.from_template(t, serve.slots), template)
     samples = serve.frames_per_tick * cfg.encoder.mel.samples_per_frame
     beat = state_lib.empty_beat(serve.slots, samples, serve.capsule_tokens)

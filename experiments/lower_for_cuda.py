@@ -59,7 +59,8 @@ def main(argv):
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     products = re.findall(r"stablehlo\.dot_general[^\n]*", text)
     kinds = {
-        "tf32_x3": sum("lhs_precision_type = tf32" in p for p in products),
+        "tf32_x3": sum("tf32" in p and "num_primitive_operations = 3" in p for p in products),
+        "tf32": sum("tf32" in p and "num_primitive_operations = 1" in p for p in products),
         "bf16_x6": sum("lhs_precision_type = bf16" in p and "algorithm" in p for p in products),
         "HIGHEST": sum("HIGHEST" in p for p in products),
         "HIGH": sum("[HIGH, HIGH]" in p for p in products),

@@ -16,7 +16,7 @@ from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.engine import Engine
-from voicechat_jax.model import codec, ear_tts, voicechat
+from voicechat_jax.model import codec, common, ear_tts, mog, voicechat
 from voicechat_jax.precision import POLICIES, Precision, lax_precision, policy
 
 CFG = tiny()
@@ -36,7 +36,9 @@ def test_policies_by_name():
         "bf16_tts_kv_tf32x3_codec",
         "tf32x3_tts_codec",
         "bf16_tts_kv_tf32x3_tts_codec",
+        "tf32pair_tts",
     }
+    assert policy("tf32pair_tts") == Precision(tts_matmul="tf32_pair")
     assert policy("tf32x3_tts_codec") == Precision(tts_matmul="tf32_x3", codec_matmul="tf32_x3")
     assert policy("bf16_tts_kv_tf32x3_tts_codec").tts_kv == jnp.bfloat16
     with pytest.raises(ValueError, match="tts_matmul must be one of"):
@@ -76,14 +78,14 @@ def test_lax_precision_per_platform():
         lax_precision("fp8")
 
 
-def _dots(jaxpr) -> list:
-    """Every ``dot_general`` equation of ``jaxpr`` and of the jaxprs nested in it."""
+def _dots(jaxpr, primitive: str = "dot_general") -> list:
+    """Every ``primitive`` equation of ``jaxpr`` and of the jaxprs nested in it."""
     found = []
     for e in jaxpr.eqns:
-        if e.primitive.name == "dot_general":
+        if e.primitive.name == primitive:
             found.append(e)
         for sub in shared.sub_jaxprs(e):
-            found += _dots(sub)
+            found += _dots(sub, primitive)
     return found
 
 
@@ -111,6 +113,56 @@ def test_tf32x3_reaches_the_speech_decoders_weight_products_alone(monkeypatch):
     assert len(x3) == 4 * t.n_layers + 2 * t.mog_mlp_layers * len(ear_tts.schedule(t))
     assert all(v.aval.dtype == jnp.float32 for e in x3 for v in e.invars)
     assert len(dots) > len(x3)  # the attention, the encoder, the LLM, the codec: as before
+
+
+def test_a_tf32_pair_product_has_fp32s_error():
+    """``dense_tf32_pair``: both halves of the pair exact in TF32 (rounding them again changes
+    nothing), the pair within 2^-21 of the weight, and the product's error against float64 at
+    most 1.5x a full-fp32 product's at a speech decoder's shape (on the CPU)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((48, 576)).astype(np.float32)
+    w = (rng.standard_normal((576, 640)) / 24).astype(np.float32)
+    pair = common.tf32_pair(jnp.asarray(w))
+    tf32 = functools.partial(jax.lax.reduce_precision, exponent_bits=8, mantissa_bits=10)
+    np.testing.assert_array_equal(tf32(pair), pair)
+    hi, lo = np.split(np.asarray(pair, np.float64), 2, axis=-1)
+    assert np.abs(hi + lo - w).max() <= 2.0**-21 * np.abs(w).max()
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+
+    def err(y):
+        return np.abs(np.asarray(y, np.float64) - ref).max() / np.abs(ref).max()
+
+    full = err(jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST))
+    y = common.dense(jnp.asarray(x)[None], common.TF32Pair(pair=pair))
+    assert y.shape == (1, 48, 640)
+    assert y.dtype == jnp.float32
+    assert err(y[0]) <= 1.5 * full
+
+
+def test_tf32_pair_reaches_the_speech_decoders_weight_products_alone():
+    """``tts_matmul='tf32_pair'``: the serving layout pairs the backbone's four products a layer
+    and the MoG trunk's two (and pairs nothing twice); each runs as one product of the split
+    input (two roundings to TF32 each, every head round), the trunk's result within fp32
+    rounding of the fp32 weights'."""
+    prec = Precision.tf32pair_tts()
+    assert prec.tts_product("gpu") is None  # the pairs carry their product
+    fp32 = voicechat.serving_layout(shared.params("fp32"))
+    params = voicechat.serving_layout(shared.params("fp32"), prec)
+    b, m = params.tts.backbone, params.tts.mog
+    for ws in (b.qkv, b.o, b.gate_up, b.down, m.gate_up, m.down):
+        assert all(isinstance(w, common.TF32Pair) for w in ws)
+    assert voicechat.serving_layout(params, prec).tts.mog.down[0] is m.down[0]
+    t = CFG.tts
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, t.d_model)), jnp.float32)
+    want = mog.trunk(fp32.tts.mog, x, cfg=t)
+    np.testing.assert_allclose(mog.trunk(m, x, cfg=t), want, rtol=2e-5, atol=2e-5)
+
+    template = voicechat.initial_state(params, cfg=CFG, precision=Precision.fp32(), max_len=16)
+    step = functools.partial(voicechat.advance, cfg=CFG, precision=prec, deterministic=False)
+    audio, key = jnp.zeros((1, 1280), jnp.float32), jax.random.key_data(jax.random.key(0))[None]
+    jaxpr = jax.make_jaxpr(step)(params, template, audio, key).jaxpr
+    rounded = _dots(jaxpr, "reduce_precision")
+    assert len(rounded) == 2 * (4 * t.n_layers + 2 * t.mog_mlp_layers * len(ear_tts.schedule(t)))
 
 
 def test_the_policy_lives_in_serve_config():

@@ -306,7 +306,9 @@ class Engine:
         if mesh is not None:
             params = mesh_lib.put_replicated(params, mesh)
         # In the serving layout (on a mesh: ``mesh_lib.put_params`` below).
-        self.params = params if mesh is not None else voicechat.serving_layout(params)
+        self.params = (
+            params if mesh is not None else voicechat.serving_layout(params, serve.precision)
+        )
         self.cfg = cfg
         self.serve = serve
         self.precision = serve.precision  # the policy lives in ``serve``; kept here to read
@@ -316,7 +318,7 @@ class Engine:
         if mesh is not None:
             # On a (data, model) mesh the LLM's weights and template state split over ``model``.
             template = mesh_lib.put_template(template, cfg, mesh)
-            self.params = mesh_lib.put_params(params, cfg, mesh)
+            self.params = mesh_lib.put_params(params, cfg, mesh, serve.precision)
         self.template = template
         jax.block_until_ready(self.template)
         self.template_s = time.perf_counter() - t

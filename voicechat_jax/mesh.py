@@ -50,6 +50,7 @@ from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import Kernels, ModelConfig, ServeConfig
 from voicechat_jax.model import llm_shard, nano, nano_tp, voicechat
+from voicechat_jax.precision import Precision
 
 DATA = "data"  # the mesh axis the slots are split over
 MODEL = "model"  # the mesh axis the LLM's heads are split over (tensor parallelism)
@@ -211,15 +212,17 @@ def template_specs(cfg: ModelConfig, mesh: Mesh | AbstractMesh):
     return _frame_specs(cfg, mesh, None)
 
 
-def put_params(params: voicechat.ModelParams, cfg: ModelConfig, mesh: Mesh):
+def put_params(
+    params: voicechat.ModelParams, cfg: ModelConfig, mesh: Mesh, precision: Precision | None = None
+):
     """The params placed for ``mesh`` in the serving layout (``voicechat.serving_layout``):
     replicated, the LLM's in the tensor-parallel layout (``nano_tp.to_tensor_parallel``) and split
     over ``model`` when the mesh has that axis.
 
     The one-device params go in, in either layout (as restored or built); only the LLM's leaves
-    are rebuilt.
+    are rebuilt. ``precision``: the policy served (``voicechat.serving_layout``'s).
     """
-    params = put_replicated(voicechat.serving_layout(params), mesh)
+    params = put_replicated(voicechat.serving_layout(params, precision), mesh)
     m = model_parallel(mesh)
     if m == 1:
         return params

@@ -47,8 +47,12 @@ CODEC_MATMUL = (*MATMUL, "tf32_x3", "bf16_x6")
 _PRESETS = {"tf32_x3": "TF32_TF32_F32_X3", "bf16_x6": "BF16_BF16_F32_X6"}
 # The speech decoder's weight products (its backbone's and the MoG trunk's): None follows
 # ``matmul``; 'tf32_x3' runs them as three TF32 passes on a GPU (``experiments/fp32_products``:
-# less error than cuBLAS's full-fp32 product at these shapes, 2026-12-05), full fp32 elsewhere.
-TTS_MATMUL = (None, "tf32_x3")
+# less error than cuBLAS's full-fp32 product at these shapes, 2026-12-05), full fp32 elsewhere;
+# 'tf32_pair' lays their weights out as TF32 pairs when the params are laid out for serving
+# (``voicechat.serving_layout``) and runs each as one TF32 product of the split input by the
+# pair (``common.dense_tf32_pair``: four partial products, each exact), full fp32 of the same
+# split operands off a GPU.
+TTS_MATMUL = (None, "tf32_x3", "tf32_pair")
 # A product's explicit ``precision=`` (static): None for the scope's (``Precision.scope()``).
 ProductPrecision = jax.lax.Precision | jax.lax.DotAlgorithmPreset | None
 
@@ -85,8 +89,11 @@ class Precision:
 
     def tts_product(self, platform: str | None = None) -> ProductPrecision:
         """The explicit ``precision=`` of the speech decoder's weight products (static): None
-        (the scope's, ``matmul``) unless ``tts_matmul`` names an algorithm (``lax_precision``)."""
-        return None if self.tts_matmul is None else lax_precision(self.tts_matmul, platform)
+        (the scope's, ``matmul``) unless ``tts_matmul`` names an algorithm (``lax_precision``).
+        Under 'tf32_pair' the weights are ``TF32Pair`` s, which carry their own product."""
+        if self.tts_matmul in (None, "tf32_pair"):
+            return None
+        return lax_precision(self.tts_matmul, platform)
 
     @classmethod
     def reference(cls) -> Precision:
@@ -160,6 +167,19 @@ class Precision:
         return cls(tts_matmul="tf32_x3", codec_matmul="tf32_x3")
 
     @classmethod
+    def tf32pair_tts(cls) -> Precision:
+        """The reference policy with the speech decoder's weight products (backbone, MoG trunk)
+        as one TF32 product each by TF32 pairs of their weights (``tts_matmul='tf32_pair'``).
+
+        A candidate for a faithful stand-in, not yet one: every partial product is exact and the
+        error is fp32 accumulation's (on the CPU, against float64, the same as a full-fp32
+        product's at the release's shapes, 2026-12-06); its error and speed on a GPU are for
+        ``experiments/fp32_products`` (``tf32_pair``) and ``experiments/tick_profile`` to say.
+        The paired weights take 2.6 GB more than the fp32 ones.
+        """
+        return cls(tts_matmul="tf32_pair")
+
+    @classmethod
     def bf16_tts_kv_tf32x3_tts_codec(cls) -> Precision:
         """``bf16_tts_kv_tf32x3_codec`` with the speech decoder's weight products as three TF32
         passes too (``tf32x3_tts_codec``). Not faithful: the KV cache is rounded to bf16."""
@@ -201,6 +221,7 @@ POLICIES = {
     "bf16_tts_kv_tf32x3_codec": Precision.bf16_tts_kv_tf32x3_codec,
     "tf32x3_tts_codec": Precision.tf32x3_tts_codec,
     "bf16_tts_kv_tf32x3_tts_codec": Precision.bf16_tts_kv_tf32x3_tts_codec,
+    "tf32pair_tts": Precision.tf32pair_tts,
 }
 
 

@@ -24,6 +24,7 @@ from experiments import harness
 from experiments.fp32_products.shapes import selected, shapes
 from pallas_kernels.matmul import matmul
 from voicechat_jax import config as config_lib
+from voicechat_jax.model.common import dense_tf32_pair, tf32_pair
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -32,10 +33,11 @@ flags.DEFINE_list(
 flags.DEFINE_list(
     "algorithms",
     ["float32", "TF32_TF32_F32_X3"],
-    "float32 (HIGHEST), tensorfloat32 (HIGH), a jax.lax.DotAlgorithmPreset name, or "
-    "pallas_float32 (pallas_kernels.matmul in full fp32). The H100 run "
-    "of 2026-12-05 had all five of float32, tensorfloat32, TF32_TF32_F32_X3, BF16_BF16_F32_X6 "
-    "and BF16_BF16_F32_X9: 80 programs, 7.5 minutes of compiles and autotuning.",
+    "float32 (HIGHEST), tensorfloat32 (HIGH), a jax.lax.DotAlgorithmPreset name, "
+    "pallas_float32 (pallas_kernels.matmul in full fp32), or tf32_pair (one TF32 product by "
+    "the weight's [hi | lo] pair, made before the clock: model.common.dense_tf32_pair). The "
+    "H100 run of 2026-12-05 had all five of float32, tensorfloat32, TF32_TF32_F32_X3, "
+    "BF16_BF16_F32_X6 and BF16_BF16_F32_X9: 80 programs, 7.5 minutes of compiles and autotuning.",
 )
 flags.DEFINE_list(
     "shapes",
@@ -71,11 +73,26 @@ def pallas_products(x, ws):
     )
 
 
+def pair_products(x, pairs):
+    """``products`` as ``dense_tf32_pair`` runs them: each weight given as its TF32 pair."""
+    return tuple(dense_tf32_pair(x, p) for p in pairs)
+
+
 def program(algo: str):
     """The un-jitted program of ``--layers`` products under ``algo``."""
     if algo == "pallas_float32":
         return pallas_products
+    if algo == "tf32_pair":
+        return pair_products
     return functools.partial(products, precision=precision_of(algo))
+
+
+def weights_for(algo: str, ws):
+    """The weights as ``algo``'s program takes them: TF32 pairs for tf32_pair (made once, as
+    the engine would when it lays the params out), the fp32 weights otherwise."""
+    if algo == "tf32_pair":
+        return tuple(jax.block_until_ready(tf32_pair(w)) for w in ws)
+    return ws
 
 
 def errors(y: np.ndarray, ref: np.ndarray) -> dict:
@@ -114,10 +131,10 @@ def main(argv):
                     "layers": FLAGS.layers,
                 }
                 try:
-                    fn = jax.jit(program(algo))
-                    out = jax.block_until_ready(fn(x, ws))
+                    fn, w_in = jax.jit(program(algo)), weights_for(algo, ws)
+                    out = jax.block_until_ready(fn(x, w_in))
                     ms = harness.time_call(
-                        functools.partial(fn, x, ws), calls=FLAGS.calls, warmup=3
+                        functools.partial(fn, x, w_in), calls=FLAGS.calls, warmup=3
                     )
                 except Exception as err:  # an algorithm this backend lacks: a row that says so
                     log.write({**row, "error": f"{type(err).__name__}: {err}"[:300]})

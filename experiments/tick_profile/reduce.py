@@ -510,8 +510,10 @@ _TTS_ATTENTION = (
     "attend", "ks[l]", "vs[l]", "apply_rope", "q_norm", "k_norm", "logits", "probs", "mask",
     "causal", "distance", "write_at", "positions", "key_pos", "qg",
 )  # fmt: skip
-_TTS_PROJECTIONS = ('w["q"]', 'w["k"]', 'w["v"]', 'w["o"]')
-_TTS_MLP = ('w["gate"]', 'w["up"]', 'w["down"]', "gelu")
+# the separate products' weights, and the serving layout's fused ones (``params.qkv[l]``,
+# ``params.gate_up[l]``: charged to "norms/residual" before 2026-12-06)
+_TTS_PROJECTIONS = ('w["q"]', 'w["k"]', 'w["v"]', 'w["o"]', "params.qkv")
+_TTS_MLP = ('w["gate"]', 'w["up"]', 'w["down"]', "gelu", "params.gate_up")
 
 
 def classify(stack: Sequence[Frame], sources: Sources) -> str:

@@ -6,21 +6,83 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from voicechat_jax.precision import ProductPrecision
 
+F32 = jnp.float32
+
+
+@struct.dataclass
+class TF32Pair:
+    """A weight [D, F] served as its TF32 pair (``tf32_pair``), which ``dense`` multiplies by in
+    one TF32 product (``dense_tf32_pair``); ``Precision.tts_matmul='tf32_pair'`` lays the speech
+    decoder's weight products out so (``tf32_pairs``)."""
+
+    pair: jax.Array  # [D, 2F] fp32: [hi | lo]
+
 
 def dense(
-    x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, precision: ProductPrecision = None
+    x: jax.Array,
+    w: jax.Array | TF32Pair,
+    b: jax.Array | None = None,
+    *,
+    precision: ProductPrecision = None,
 ) -> jax.Array:
     """``x @ w (+ b)`` with ``w`` stored [in, out] (a torch Linear [out, in] transposed);
     ``precision`` (static) as ``jnp.einsum``'s, None for the scope's
-    (``Precision.scope()``)."""
-    y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), precision=precision)
+    (``Precision.scope()``). A ``TF32Pair`` weight is multiplied by its pair
+    (``dense_tf32_pair``; ``precision`` does not apply)."""
+    if isinstance(w, TF32Pair):
+        y = dense_tf32_pair(x, w.pair).astype(x.dtype)
+    else:
+        y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), precision=precision)
     if b is not None:
         y = y + b.astype(y.dtype)
     return y
+
+
+def tf32_pair(w: jax.Array) -> jax.Array:
+    """An fp32 weight [..., D, F] as the pair ``[hi | lo]`` [..., D, 2F] that
+    ``dense_tf32_pair`` multiplies by: ``hi`` is w rounded to TF32 (10 mantissa bits), ``lo`` the
+    rest, rounded to TF32 too, so that ``hi + lo`` is w to about 2^-22 of its size and both halves
+    enter a TF32 product exactly. Made once, when the params are laid out for serving."""
+    hi = jax.lax.reduce_precision(w.astype(F32), exponent_bits=8, mantissa_bits=10)
+    lo = jax.lax.reduce_precision(w.astype(F32) - hi, exponent_bits=8, mantissa_bits=10)
+    return jnp.concatenate([hi, lo], axis=-1)
+
+
+def dense_tf32_pair(x: jax.Array, pair: jax.Array, platform: str | None = None) -> jax.Array:
+    """``x @ w`` in fp32 through one TF32 product, from w's ``tf32_pair`` [D, 2F]: x [..., D] ->
+    [..., F] in fp32.
+
+    x is split the same way into its TF32 part and rest, stacked on the rows ([2R, D]), and one
+    product by ``[hi | lo]`` gives all four partial products (x_hi w_hi, x_hi w_lo, x_lo w_hi,
+    x_lo w_lo), summed smallest first. Every input is exact in TF32 and every partial product
+    exact in fp32, so the error is the fp32 accumulation's plus the 2^-22 of the split, as with a
+    full-fp32 product, while the product runs on the tensor cores. At the few rows a decode step
+    has, a full-fp32 product is bound by the FMA units' rate (27-39 TFLOP/s for the speech
+    decoder's at 96 slots on the H200, 2026-12-05), and this one by reading the pair (8 bytes
+    a weight). XLA's ``TF32_TF32_F32_X3`` preset splits the weight at every call instead.
+    ``platform``: the backend traced for (default JAX's); off a GPU the product is full fp32 of
+    the same split operands.
+    """
+    lead, D = x.shape[:-1], x.shape[-1]
+    F = pair.shape[-1] // 2
+    x = x.reshape(-1, D).astype(F32)
+    x_hi = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=10)
+    x_lo = jax.lax.reduce_precision(x - x_hi, exponent_bits=8, mantissa_bits=10)
+    if (platform or jax.default_backend()) == "gpu":
+        precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32
+    else:
+        precision = jax.lax.Precision.HIGHEST
+    rows = x.shape[0]
+    p = jnp.dot(
+        jnp.concatenate([x_hi, x_lo]), pair, precision=precision, preferred_element_type=F32
+    )  # [2R, 2F]: [[hi hi, hi lo], [lo hi, lo lo]]
+    y = p[:rows, :F] + ((p[:rows, F:] + p[rows:, :F]) + p[rows:, F:])
+    return y.reshape(*lead, F)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, offset: float = 0.0) -> jax.Array:
@@ -97,6 +159,22 @@ def per_layer_specs(specs, fields: Sequence[str], n_layers: int):
     """The ``PartitionSpec`` tree of ``per_layer(params, fields)`` from that of ``params``: each
     split field's spec without its leading (layer) entry, once per layer."""
     return specs.replace(**{f: (P(*getattr(specs, f)[1:]),) * n_layers for f in fields})
+
+
+def tf32_pairs(params, fields: Sequence[str]):
+    """``params`` with each of ``fields`` (a tuple of per-layer [D, F] weights, ``per_layer``'s
+    layout) as a tuple of ``TF32Pair``; fields already paired, or None, are kept."""
+    out = {}
+    for f in fields:
+        ws = getattr(params, f)
+        if ws is not None and not isinstance(ws[0], TF32Pair):
+            out[f] = tuple(TF32Pair(pair=p) for p in _pairs_program(*ws))
+    return params.replace(**out)
+
+
+@jax.jit
+def _pairs_program(*ws: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(tf32_pair(w) for w in ws)
 
 
 def _layers(*stacked):

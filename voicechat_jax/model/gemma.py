@@ -36,7 +36,7 @@ from flax import struct
 from voicechat_jax.config import SpeechDecoderConfig
 from voicechat_jax.model import common
 from voicechat_jax.model.attention import attend, gqa
-from voicechat_jax.model.common import fan_in_normal, normal, rms_norm
+from voicechat_jax.model.common import dense, fan_in_normal, normal, rms_norm
 from voicechat_jax.precision import Precision, ProductPrecision
 
 # A window wider than any cache: global layers attend to everything before them.
@@ -243,7 +243,7 @@ def forward(
         inv = jnp.asarray(inv_freq[l])
         y = rms_norm(h, w["input_norm"], eps, offset=1.0)
         if params.qkv is not None:  # the serving layout: one product, its columns split
-            qkv = jnp.einsum("btd,de->bte", y, params.qkv[l].astype(y.dtype), precision=product)
+            qkv = dense(y, params.qkv[l], precision=product)
             q, k, v = jnp.split(qkv, [cfg.n_heads * H, (cfg.n_heads + K) * H], axis=-1)
         else:
             q = jnp.einsum("btd,de->bte", y, w["q"].astype(y.dtype), precision=product)
@@ -266,21 +266,16 @@ def forward(
             mask = masks[int(window[l])][:, None, None]  # [B, 1, 1, T, S]
             a = gqa(qg, ks[l], vs[l], mask, scale=scale)
         a = a.reshape(B, T, cfg.n_heads * H)
-        a = jnp.einsum("bte,ed->btd", a, w["o"].astype(a.dtype), precision=product)
+        a = dense(a, w["o"], precision=product)
         h = h + rms_norm(a, w["post_attn_norm"], eps, offset=1.0)
         y = rms_norm(h, w["pre_ff_norm"], eps, offset=1.0)
         if params.gate_up is not None:
-            gu = jnp.einsum("btd,df->btf", y, params.gate_up[l].astype(y.dtype), precision=product)
+            gu = dense(y, params.gate_up[l], precision=product)
             g, u = jnp.split(gu, 2, axis=-1)
         else:
             g = jnp.einsum("btd,df->btf", y, w["gate"].astype(y.dtype), precision=product)
             u = jnp.einsum("btd,df->btf", y, w["up"].astype(y.dtype), precision=product)
-        m = jnp.einsum(
-            "btf,fd->btd",
-            jax.nn.gelu(g, approximate=True) * u,
-            w["down"].astype(y.dtype),
-            precision=product,
-        )
+        m = dense(jax.nn.gelu(g, approximate=True) * u, w["down"], precision=product)
         h = h + rms_norm(m, w["post_ff_norm"], eps, offset=1.0)
     h = rms_norm(h, params.final_norm, eps, offset=1.0)
     pos = cache.pos + jnp.sum(valid, axis=-1, dtype=jnp.int32)

@@ -24,7 +24,7 @@ from flax import struct
 
 from voicechat_jax.config import PAD_ID, XLA_KERNELS, Kernels, ModelConfig
 from voicechat_jax.model import codec, conformer, ear_tts, gemma, mog, nano, rnnt, streams
-from voicechat_jax.model.common import keep_rows
+from voicechat_jax.model.common import keep_rows, tf32_pairs
 from voicechat_jax.precision import Precision
 
 # The speech decoder's steps over system-prompt positions are shared by every session (they are in
@@ -82,7 +82,7 @@ def init_compiled(
         f(k[i], c, precision) for i, (f, c) in enumerate(zip(_COMPILED_INITS, sub, strict=True))
     )
     params = ModelParams(encoder=enc, llm=llm, rnnt=head, tts=tts, codec=cod)
-    return serving_layout(params) if serving else params
+    return serving_layout(params, precision) if serving else params
 
 
 def abstract(cfg: ModelConfig, precision: Precision, *, text_table: bool = True) -> ModelParams:
@@ -95,7 +95,7 @@ def abstract(cfg: ModelConfig, precision: Precision, *, text_table: bool = True)
     return tree if text_table else tree.replace(tts=tree.tts.replace(text_table=None))
 
 
-def serving_layout(params: ModelParams) -> ModelParams:
+def serving_layout(params: ModelParams, precision: Precision | None = None) -> ModelParams:
     """The params as the engine serves them: the products of the LLM, the speech decoder backbone
     and the MoG trunk one leaf per layer, the speech decoder's that share an input fused
     (``nano.per_layer``, ``gemma.per_layer``, ``mog.per_layer``), and on a GPU the encoder's
@@ -107,9 +107,16 @@ def serving_layout(params: ModelParams) -> ModelParams:
     is what checkpoints, the converter and the key table use. On a GPU the serving layout saves
     the copy of each layer's weight out of its stack before its product. Params already in it
     are returned as they are.
+
+    ``precision``: the policy served; under ``tts_matmul='tf32_pair'`` the speech decoder's
+    weight products (the backbone's and the MoG trunk's) are laid out as TF32 pairs
+    (``common.tf32_pairs``: twice their fp32 bytes, 2.6 GB more at the release's shapes).
     """
     tts = params.tts
     tts = tts.replace(backbone=gemma.per_layer(tts.backbone), mog=mog.per_layer(tts.mog))
+    if precision is not None and precision.tts_matmul == "tf32_pair":
+        backbone = tf32_pairs(tts.backbone, ("qkv", "o", "gate_up", "down"))
+        tts = tts.replace(backbone=backbone, mog=tf32_pairs(tts.mog, ("gate_up", "down")))
     encoder = conformer.serving_layout(params.encoder)
     head = rnnt.serving_layout(params.rnnt)
     return params.replace(encoder=encoder, llm=nano.per_layer(params.llm), rnnt=head, tts=tts)

@@ -239,7 +239,7 @@ def build(options: RunOptions, mesh: Mesh | None = None):
         )
         # As the engine serves them (``voicechat.serving_layout``); the stacked copy goes here,
         # before any session state is allocated.
-        params = voicechat.serving_layout(params)
+        params = voicechat.serving_layout(params, precision)
     else:
         if options.model not in config_lib.PRESETS:
             known = sorted(config_lib.PRESETS)
