@@ -12,7 +12,7 @@ from transformers import DynamicCache, Gemma3TextConfig, Gemma3TextModel
 from voicechat_jax.config import SpeechDecoderConfig, tiny, voicechat_11b
 from voicechat_jax.keys import fill
 from voicechat_jax.keys.tts_backbone import BACKBONE, backbone_rules
-from voicechat_jax.model import gemma
+from voicechat_jax.model import common, gemma
 from voicechat_jax.model.common import count_params
 from voicechat_jax.precision import Precision
 
@@ -143,6 +143,10 @@ def test_serving_layout_matches_hf_and_the_stored_layout(setup):
     h = run(serving)
     assert rel_err(h, ref) <= 1e-4
     np.testing.assert_array_equal(h, run(params))
+    # the ``tf32pair_tts`` layout: the four products by TF32 pairs meet HF's bar as well
+    paired = common.tf32_pairs(serving, ("qkv", "o", "gate_up", "down"))
+    assert isinstance(paired.down[0], common.TF32Pair)
+    assert rel_err(run(paired), ref) <= 1e-4
 
 
 def test_jit_equals_eager(setup):
