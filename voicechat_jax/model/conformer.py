@@ -397,10 +397,11 @@ def _attention(
     v_rings = v_rings.at[slot, l, rows].set(v_new.astype(v_rings.dtype), mode="drop")
     R = k_rings.shape[2]
     q = q.reshape(B, T, N, H)
-    # Layer l's ring is read where it lies: the two products over it are written as multiplies
-    # and sums, which XLA fuses with the slice of the stacked ring into one pass over it; as
-    # dot_generals each took a copy of the slice first (1.05 ms of copies and 0.97 of products
-    # in the H200's faithful 96-slot tick, 2026-12-05, ``a6cb770``). T is 1-2 rows: the
+    # Layer l's ring is to be read where it lies: the two products over it are written as
+    # multiplies and sums, which XLA can fuse with the slice of the stacked ring (a GPU's
+    # fusion is still to be seen in a profile; the CPU's XLA copies the slice); as
+    # dot_generals each took a copy of the slice first on the H200 (1.05 ms of slices and 0.97
+    # of products in the faithful 96-slot tick, 2026-12-05, ``a6cb770``). T is 1-2 rows: the
     # products are tiny, the ring's bytes are the cost.
     k = k_rings[:, l].astype(x.dtype).reshape(B, 1, R, N, H)
     v = v_rings[:, l].astype(x.dtype).reshape(B, 1, R, N, H)
