@@ -960,6 +960,20 @@ def test_wav_stream_is_valid_after_every_append(tmp_path):
         assert (w.getnframes(), w.getframerate(), w.getsampwidth()) == (5 * 3528, 22050, 2)
 
 
+def test_wav_stream_left_open_closes_writer_before_file(tmp_path, monkeypatch):
+    """A stream dropped unclosed, in a reference cycle, is closed by its finaliser: no error
+    from ``Wave_write.__del__`` on a closed file, and the file counts every sample."""
+    unraisable = []
+    monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+    stream = WavStream(tmp_path / "left.wav", 24000)
+    stream.append(np.zeros(480, np.int16))
+    stream.cycle = stream
+    del stream
+    gc.collect()
+    assert unraisable == []
+    assert read_wav_or_empty(tmp_path / "left.wav") == 480
+
+
 def read_wav_or_empty(path) -> int:
     with wave.open(str(path)) as w:
         return w.getnframes()

@@ -30,6 +30,7 @@ import os
 import queue
 import threading
 import wave
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -371,12 +372,18 @@ class OutputStream:
 
 
 class WavStream:
-    """A mono PCM16 WAV file appended to beat by beat, valid after every append."""
+    """A mono PCM16 WAV file appended to beat by beat, valid after every append.
+
+    A stream that is never closed is closed when it is collected or at interpreter exit, the
+    WAV writer before its file (left to the interpreter, the file could go first, and the
+    writer's own finaliser then failed on it: "Exception ignored in Wave_write.__del__").
+    """
 
     def __init__(self, path: str | os.PathLike, rate: int):
         self.path = os.fspath(path)
         self._file = open(self.path, "wb", buffering=0)  # noqa: SIM115 (closed in close())
         self._wav = wave.open(self._file, "wb")  # noqa: SIM115 (closed in close())
+        self._closer = weakref.finalize(self, _close_wav, self._wav, self._file)
         self._wav.setnchannels(1)
         self._wav.setsampwidth(2)
         self._wav.setframerate(rate)
@@ -389,10 +396,12 @@ class WavStream:
         self.samples += pcm.shape[0]
 
     def close(self) -> None:
-        if self._file.closed:
-            return
-        self._wav.close()
-        self._file.close()
+        self._closer()  # once: later calls do nothing
+
+
+def _close_wav(wav: wave.Wave_write, file) -> None:
+    wav.close()
+    file.close()
 
 
 def frame_lines(
