@@ -47,15 +47,17 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
   dc="$dc --slots=16 --ticks=50 --out=$R/dispatch_cost.jsonl"
   graph="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL"
   graph="$graph --xla_gpu_graph_min_graph_size=1"
-  # issue 33 at the target's 96 slots: the engine's own streamed tick first, the synthetic
-  # overlap experiment after it, and three TF32 passes for the speech decoder and codec (on an
-  # H100 at 40 they paid only in the codec)
+  # issue 33 at the target's 96 slots: the reference tick, then the TF32 pairs' and the
+  # engine's own streamed codec's, the products alone, the synthetic overlap experiment, and
+  # three TF32 passes for the speech decoder and codec (on an H100 at 40 they paid only in the
+  # codec)
   last=("$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
-    "$streamed $full --codec_stream --out_dir=/tmp/tp_cs_96 $log; $(keep_profile cs_96)"
-    # and by TF32 pairs of the weights (one tensor-core product, tf32pair_tts), then the tick
-    # under that policy against the reference above
-    "$fp32 --algorithms=float32,pallas_float32,tf32_pair $log"
+    # the speech decoder's products by TF32 pairs of their weights (tf32pair_tts), the tick
+    # against the reference just before it, then the products alone (cuBLAS's full fp32, our
+    # Triton kernel's, the pairs')
     "$prof $full --policy=tf32pair_tts --out_dir=/tmp/tp_pair_96 $log; $(keep_profile pair_96)"
+    "$streamed $full --codec_stream --out_dir=/tmp/tp_cs_96 $log; $(keep_profile cs_96)"
+    "$fp32 --algorithms=float32,pallas_float32,tf32_pair $log"
     # the codec's products under three TF32 passes and TF32 pairs against full fp32, each
     # against float64: the measurement that would let them stand in for the faithful ones
     "$fp32 --shapes=codec --algorithms=float32,TF32_TF32_F32_X3,tf32_pair $log"
@@ -70,11 +72,11 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
 else  # an H100 (2026-12-05, d4d68c4: 48 faithful held; the plan admits 52 since 2710080, 86 bf16)
   # issue 33's overlap first (the H200's questions, at the slots an H100 holds)
   cmds=("$prof $full --out_dir=/tmp/tp_ref_40 $log; $(keep_profile ref_40)"
+    # the speech decoder's products by TF32 pairs of their weights, in the tick and alone
+    "$prof $full --policy=tf32pair_tts --out_dir=/tmp/tp_pair_40 $log; $(keep_profile pair_40)"
     "$streamed $full --codec_stream --out_dir=/tmp/tp_cs_40 $log; $(keep_profile cs_40)"
-    # the speech decoder's products by TF32 pairs of their weights, alone and in the tick
     "python3 experiments/fp32_products/run.py --out=$R/fp32_products.jsonl --slots=$slots \
 --algorithms=float32,tf32_pair $log"
-    "$prof $full --policy=tf32pair_tts --out_dir=/tmp/tp_pair_40 $log; $(keep_profile pair_40)"
     "${overlap_runs[@]}")
   cmds+=("$cap --sessions=52 --policies=reference --loops=dispatch $log")
   cmds+=("$cap --sessions=52 --policies=reference --loops=resident $log")
