@@ -171,11 +171,12 @@ class Precision:
         """The reference policy with the speech decoder's weight products (backbone, MoG trunk)
         as one TF32 product each by TF32 pairs of their weights (``tts_matmul='tf32_pair'``).
 
-        A candidate for a faithful stand-in, not yet one: every partial product is exact and the
-        error is fp32 accumulation's (on the CPU, against float64, the same as a full-fp32
-        product's at the release's shapes, 2026-12-06); its error and speed on a GPU are for
-        ``experiments/fp32_products`` (``tf32_pair``) and ``experiments/tick_profile`` to say.
-        The paired weights take 2.6 GB more than the fp32 ones.
+        Not a faithful stand-in: on the CPU its error against float64 is a full-fp32
+        product's, but on an H100 (2026-12-06, ``experiments/fp32_products``, 40 slots) the
+        tensor cores' accumulation left 2.5-6.3e-6 of the largest value against cuBLAS's full
+        fp32 at 5e-7 to 1.2e-6, for 1.1-1.5x its speed; the 40-slot full-cache tick went from
+        95.87 to 94.08 ms with the same tokens and codes (``experiments/tick_profile``). The
+        paired weights take 2.4 GiB more than the fp32 ones.
         """
         return cls(tts_matmul="tf32_pair")
 
