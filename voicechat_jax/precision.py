@@ -173,7 +173,7 @@ class Precision:
 
         Not a faithful stand-in: on the CPU its error against float64 is a full-fp32
         product's, but on an H100 (2026-12-06, ``experiments/fp32_products``, 40 slots) the
-        tensor cores' accumulation left 2.5-6.3e-6 of the largest value against cuBLAS's full
+        GPU's TF32 product left 2.5-6.3e-6 of the largest value against cuBLAS's full
         fp32 at 5e-7 to 1.2e-6, for 1.1-1.5x its speed; the 40-slot full-cache tick went from
         95.87 to 94.08 ms with the same tokens and codes (``experiments/tick_profile``). The
         paired weights take 2.4 GiB more than the fp32 ones.
