@@ -11,10 +11,11 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from voicechat_jax import config as config_lib
 from voicechat_jax.model import codec
-from voicechat_jax.model.streams import inlined
+from voicechat_jax.model.streams import _scan_counts, inlined
 from voicechat_jax.precision import Precision
 
 
@@ -37,3 +38,20 @@ def test_inlined_codec_step_makes_no_call_and_matches():
     chex.assert_trees_all_equal(
         jax.jit(flat)(params, state, codes), jax.jit(step)(params, state, codes)
     )
+
+
+def test_scan_counts_read_either_jax_layout():
+    """A scan equation's (consts, carry) counts: by name before jax 0.11, from the operands'
+    grouping (``ft_in``) after; a grouping that does not cover the operands is refused."""
+
+    class Groups:  # the part of jax 0.11's FlatTree that is read: unpack() -> the groups
+        def __init__(self, *sizes):
+            self.groups = tuple((None,) * n for n in sizes)
+
+        def unpack(self):
+            return self.groups
+
+    assert _scan_counts({"num_consts": 2, "num_carry": 3}, 7) == (2, 3)
+    assert _scan_counts({"ft_in": Groups(1, 2, 4)}, 7) == (1, 2)
+    with pytest.raises(NotImplementedError, match="cannot unroll"):
+        _scan_counts({"ft_in": Groups(1, 2, 3)}, 7)

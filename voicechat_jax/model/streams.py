@@ -69,9 +69,9 @@ def inlined(fn):
         return [read(v) for v in jaxpr.outvars]
 
     def unrolled_scan(p, ins):
-        body, nc, nk = p["jaxpr"], p["num_consts"], p["num_carry"]
+        body, (nc, nk) = p["jaxpr"], _scan_counts(p, len(ins))
         consts, carry, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
-        steps = range(p["length"] - 1, -1, -1) if p["reverse"] else range(p["length"])
+        steps = range(p["length"] - 1, -1, -1) if p.get("reverse") else range(p["length"])
         ys = {}
         for i in steps:
             step_xs = [lax.squeeze(lax.slice_in_dim(x, i, i + 1), (0,)) for x in xs]
@@ -98,3 +98,21 @@ def inlined(fn):
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), out)
 
     return call
+
+
+def _scan_counts(params: dict, n_operands: int) -> tuple[int, int]:
+    """(consts, carry) operand counts of a scan equation. Before jax 0.11 its parameters name
+    them (``num_consts``, ``num_carry``); jax 0.11 has neither (``KeyError: 'num_consts'`` on an
+    H100, 2026-12-06) and keeps the operands' (consts, carry, xs) grouping in ``ft_in``, whose
+    ``unpack()`` gives one entry per operand in each group (not yet run on jax 0.11: the
+    grouping is checked against the operand count, so a layout other than this fails here)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    groups = params["ft_in"].unpack()
+    counts = [len(g) for g in groups]
+    if len(counts) != 3 or sum(counts) != n_operands:
+        raise NotImplementedError(
+            f"a scan whose ft_in groups {counts} are not (consts, carry, xs) of its "
+            f"{n_operands} operands: streams.inlined cannot unroll it"
+        )
+    return counts[0], counts[1]
