@@ -117,6 +117,15 @@ def test_churn_every_tick_compiles_once(params):
     summary = server.metrics.summary()
     assert summary["events"]["admitted"] == 10
     assert summary["events"].get("refused", 0) == 0
+    # An engine built again for the same configuration (a restart, the app run again in one
+    # process) compiles nothing: its template, tick and staged programs are the process's
+    # (``step.PROGRAMS_KEPT``).
+    events.clear()
+    recording[0] = True
+    again = Engine(params, CFG, serve)
+    Server(again, clock="offline", loop="dispatch", warmup_ticks=0).run(plans, 12)
+    recording[0] = False
+    assert events == []
 
 
 def test_late_input_is_silence_plus_underrun(engine):

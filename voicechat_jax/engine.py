@@ -757,7 +757,13 @@ def build_template(params, cfg: ModelConfig, serve: ServeConfig):
     Any algorithm XLA picks computes the same fp32 products; the tick keeps full autotuning.
     """
 
-    return jax.jit(template_fn(cfg, serve), compiler_options=_ONE_USE_COMPILE)(params)
+    return _template_program(cfg, serve)(params)
+
+
+@functools.lru_cache(maxsize=step_lib.PROGRAMS_KEPT)
+def _template_program(cfg: ModelConfig, serve: ServeConfig) -> Callable:
+    """``build_template``'s jitted program, one per configuration (``step.PROGRAMS_KEPT``)."""
+    return jax.jit(template_fn(cfg, serve), compiler_options=_ONE_USE_COMPILE)
 
 
 def template_fn(cfg: ModelConfig, serve: ServeConfig) -> Callable:

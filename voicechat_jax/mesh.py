@@ -283,6 +283,7 @@ def _state_builder(slots: int, mesh: Mesh, treedef, specs: tuple[P, ...]) -> Cal
     return jax.jit(functools.partial(state_lib.from_template, slots=slots), out_shardings=out)
 
 
+@functools.lru_cache(maxsize=step_lib.PROGRAMS_KEPT)
 def make_tick(
     cfg: ModelConfig, serve: ServeConfig, mesh: Mesh, kernels: Kernels | None = None
 ) -> Callable:
@@ -339,6 +340,7 @@ def _local_slot(slot: jax.Array, per_device: int) -> tuple[jax.Array, jax.Array]
     return jnp.clip(local, 0, per_device - 1), owned
 
 
+@functools.lru_cache(maxsize=step_lib.PROGRAMS_KEPT)
 def make_staged(
     cfg: ModelConfig, serve: ServeConfig, mesh: Mesh, kernels: Kernels | None = None
 ) -> step_lib.StagedPrograms:

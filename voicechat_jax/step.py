@@ -44,6 +44,12 @@ from voicechat_jax.state import BeatInput, BeatOutput, SessionState, SlotMasks
 # jax.monitoring's event for each XLA compilation (its ``fun_name`` names the jitted function).
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
+# The jitted programs kept per process, one per configuration (``make_tick``, ``make_staged``,
+# their ``mesh`` twins, ``engine.build_template``'s): an engine built again for a configuration
+# already served in this process (a restart, a second run of the app, a test) traces, lowers and
+# compiles nothing again; JAX's own caches hold the executables of a kept program.
+PROGRAMS_KEPT = 16
+
 
 class CompileCounter:
     """Counts the XLA compilations of jitted functions named like ``name``, while entered.
@@ -357,9 +363,10 @@ def tick(
     return new_state, out
 
 
+@functools.lru_cache(maxsize=PROGRAMS_KEPT)
 def make_tick(cfg: ModelConfig, serve: ServeConfig, kernels: Kernels | None = None) -> Callable:
     """The jitted tick for one server configuration and its kernels; argument 1 (the state) is
-    donated."""
+    donated. One per configuration in a process (``PROGRAMS_KEPT``)."""
     return jax.jit(_in_scope(tick, cfg=cfg, serve=serve, kernels=kernels), donate_argnums=(1,))
 
 
@@ -385,10 +392,12 @@ class StagedPrograms:
     tick: Callable
 
 
+@functools.lru_cache(maxsize=PROGRAMS_KEPT)
 def make_staged(
     cfg: ModelConfig, serve: ServeConfig, kernels: Kernels | None = None
 ) -> StagedPrograms:
-    """The jitted programs of the staged dispatch tick for one server configuration."""
+    """The jitted programs of the staged dispatch tick for one server configuration (one per
+    configuration in a process: ``PROGRAMS_KEPT``)."""
     precision = serve.precision
     return StagedPrograms(
         admit=jax.jit(admit_slot, donate_argnums=(0,)),
