@@ -36,19 +36,16 @@ SERVE_SESSIONS = 4
 
 
 def serve_runs(out_dir: str) -> None:
-    """``voicechat-serve --devices=N`` for N = 1 and 4: 4 sessions, 2 joining late and leaving
-    early (churn), 5 beats on the offline clock, fp32, deterministic sampler, a 64-frame cap."""
-    from voicechat_jax.config import ServeConfig
+    """``voicechat-serve --devices=N`` for N = 1 and 4 in the mesh checks' configuration
+    (``mesh_worker.SERVE``: 8 slots, 2 per device, fp32, a 64-frame cap, NeMo's sampler): 4
+    sessions, 2 joining late and leaving early (churn), 5 beats on the offline clock. Run after
+    the mesh checks, so that both runs serve the programs those compiled
+    (``step.PROGRAMS_KEPT``)."""
     from voicechat_jax.serving import runner
 
     for n in (1, DEVICES):
         options = runner.RunOptions(
-            serve=ServeConfig(
-                slots=DEVICES,
-                context_frames=64,  # past the run's 10 frames a session
-                precision="fp32",
-                speech_sampling="deterministic",
-            ),
+            serve=mesh_worker.SERVE,
             sessions=SERVE_SESSIONS,
             churn=True,
             seconds=0.8,

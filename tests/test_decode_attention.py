@@ -25,6 +25,7 @@ from pallas_kernels.decode_attention import (
     decode_attention_reference,
 )
 from tests import shared
+from voicechat_jax import step as step_lib
 from voicechat_jax.config import tiny, voicechat_11b
 from voicechat_jax.model import attention
 from voicechat_jax.model.attention import AttentionImpl, attend
@@ -354,17 +355,27 @@ class AttendMatchesTheModel(chex.TestCase):
         assert rel_err(outs["pallas"], want) < TOL[(F32, F32)]
 
 
+def _pallas_calls(jaxpr) -> int:
+    """The ``pallas_call`` equations in a jaxpr and every jaxpr nested in it."""
+    return sum(
+        (eqn.primitive.name == "pallas_call")
+        + sum(_pallas_calls(sub) for sub in shared.sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
+
+
 def test_tick_with_kernel_attention_matches_xla():
-    """The served tick with the kernel for every attention (``attention='pallas'``), and with the
-    kernel for the LLM only (``tts_attention='xla'``, the H200 choice): the same tokens and codes
-    as 'xla' everywhere."""
+    """The served tick with the kernel for every attention (``attention='pallas'``): the same
+    tokens and codes as 'xla' everywhere. With the kernel for the LLM only (``tts_attention='xla'``,
+    the H200 choice) the traced tick calls the kernel for the LLM's attention layers alone (its
+    parts are the two ticks run here)."""
     from voicechat_jax.config import ServeConfig, tiny
     from voicechat_jax.engine import Engine
     from voicechat_jax.precision import Precision
 
     cfg, prec = tiny(), Precision.fp32()
     params = shared.params(prec)
-    outs = {}
+    outs, kernels = {}, {}
     for llm, tts in (("xla", None), ("pallas", None), ("pallas", "xla")):
         serve = ServeConfig(
             slots=2,
@@ -378,6 +389,10 @@ def test_tick_with_kernel_attention_matches_xla():
         assert serve.tts_attention == (None if tts is None else AttentionImpl(tts))
         # One program per kernel choice (the staged admission programs are not under test).
         engine = Engine(params, cfg, serve, template=shared.template(serve), staged=False)
+        tick = step_lib.make_tick(cfg, serve, engine.kernels)
+        kernels[llm, tts] = _pallas_calls(jax.make_jaxpr(tick)(*engine._lowering_args(2)).jaxpr)
+        if tts is not None:
+            continue  # traced only
         beat = engine.empty_beat()
         beat.admit[:] = True
         rng = np.random.default_rng(0)
@@ -387,12 +402,14 @@ def test_tick_with_kernel_attention_matches_xla():
             got.append(jax.device_get(engine.tick(beat)))
             beat.admit[:] = False
         outs[llm, tts] = got
-    want = outs["xla", None]
-    for key in (("pallas", None), ("pallas", "xla")):
-        for a, b in zip(want, outs[key], strict=True):
-            np.testing.assert_array_equal(a.frames.text, b.frames.text)
-            np.testing.assert_array_equal(a.frames.codes, b.frames.codes)
-            np.testing.assert_allclose(a.frames.wav, b.frames.wav, rtol=0, atol=1e-4)
+    llm_layers = cfg.llm.pattern.count("*")
+    assert kernels["xla", None] == 0
+    assert kernels["pallas", "xla"] == llm_layers
+    assert kernels["pallas", None] == llm_layers + cfg.tts.n_layers
+    for a, b in zip(outs["xla", None], outs["pallas", None], strict=True):
+        np.testing.assert_array_equal(a.frames.text, b.frames.text)
+        np.testing.assert_array_equal(a.frames.codes, b.frames.codes)
+        np.testing.assert_allclose(a.frames.wav, b.frames.wav, rtol=0, atol=1e-4)
 
 
 def test_serve_config_checks_tts_attention():

@@ -272,8 +272,8 @@ def test_make_mesh_counts_local_devices():
 def test_serve_on_four_devices_equals_one(multidevice):
     """The run ``voicechat-serve --devices=4`` makes writes, session by session, the frames (text,
     function, codes, transcript ids) that ``--devices=1`` writes (the same options but the device
-    count: 4 sessions, 2 joining late and leaving early, 5 offline beats, fp32, deterministic,
-    a 64-frame cap)."""
+    count: 4 sessions, 2 joining late and leaving early, 5 offline beats, the mesh checks' 8 slots,
+    fp32, NeMo's sampler, a 64-frame cap)."""
     out = multidevice / "serve"
     sessions = sorted(p.name for p in (out / "d1").iterdir() if p.is_dir())
     assert len(sessions) == w.DEVICES
