@@ -309,6 +309,34 @@ def test_fast_mode_restores_an_altered_file_full_mode_refuses_it(converted, tmp_
     _one_line_error(lambda: ckpt.restore(d, F32), path, r"altered or corrupt")
 
 
+def test_a_chunk_orbax_cannot_decode_is_one_line_naming_the_shard(converted, monkeypatch):
+    """Where zstd finds a chunk corrupt, orbax raises a bare ``Exception`` carrying the whole
+    tensorstore spec, from tensorstore's ``ValueError`` (seen on 2026-12-06 for one conversion's
+    layout of ``test_fast_mode_restores_an_altered_file_full_mode_refuses_it``): one line naming
+    the shard and the first cause, never a traceback."""
+
+    def restore(self, directory, target):
+        try:
+            raise ValueError(
+                'FAILED_PRECONDITION: Error reading "rnnt.joint.out/0.0": '
+                "ZSTD_decompressStream() failed: Data corruption detected"
+            )
+        except ValueError as e:
+            raise Exception(  # what orbax raises
+                "Encountered error while reading array index. See full TensorStore details: "
+                + "{" * 2000
+            ) from e
+
+    monkeypatch.setattr(ckpt.ocp.StandardCheckpointer, "restore", restore)
+    shard = os.path.join(converted, ckpt.PARAMS, "shard_00000")
+    message = _one_line_error(
+        lambda: ckpt.restore(converted, F32, verify=SIZES),
+        shard,
+        r"orbax cannot restore it \(ValueError: FAILED_PRECONDITION: .*Data corruption detected\)",
+    )
+    assert "TensorStore details" not in message
+
+
 def test_orbax_error_in_fast_mode_is_one_line_naming_the_shard(converted, tmp_path):
     """A shard's OCDBT manifest zeroed (same size): only orbax notices, and says it in a line."""
     d = str(tmp_path / "ck")

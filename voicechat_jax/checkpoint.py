@@ -554,10 +554,14 @@ def _restore_leaves(directory: str, stored: Mapping, want: Mapping, sharding) ->
             where = os.path.join(directory, shard)
             try:
                 restored.update(checkpointer.restore(where, targets))
-            except (OSError, ValueError) as e:  # tensorstore's errors are ValueErrors
+            except Exception as e:
+                # tensorstore's errors are ValueErrors; orbax wraps a chunk's read error (zstd
+                # finding corrupt data, for one) in a bare Exception whose message is the
+                # whole tensorstore spec: the error named is the first cause's.
+                cause = _root_cause(e)
                 raise CheckpointError(
                     where,
-                    f"orbax cannot restore it ({type(e).__name__}: {_gist(e)}); a full "
+                    f"orbax cannot restore it ({type(cause).__name__}: {_gist(cause)}); a full "
                     f"verification names the damaged file",
                 ) from e
     finally:
@@ -569,7 +573,14 @@ def _restore_leaves(directory: str, stored: Mapping, want: Mapping, sharding) ->
     return out
 
 
-def _gist(error: Exception, limit: int = 300) -> str:
+def _root_cause(error: BaseException) -> BaseException:
+    """The first error of a chain of ``raise ... from``."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def _gist(error: BaseException, limit: int = 300) -> str:
     """An orbax/tensorstore error without the tensorstore spec it appends (kilobytes of JSON)."""
     text = " ".join(str(error).split(" [tensorstore_spec")[0].split())
     return text if len(text) <= limit else text[:limit] + "..."
