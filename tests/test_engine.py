@@ -460,7 +460,7 @@ def test_frames_jsonl_schema(tmp_path):
             seconds=0.48,
             clock="offline",
             sessions=1,
-            serve=ServeConfig(slots=1),
+            serve=_BAD_INPUT_RUN["serve"],  # a configuration this file serves already
             output_dir=str(tmp_path),
         )
     )
@@ -481,7 +481,7 @@ def test_churn_run_outputs_match_each_sessions_lifetime(tmp_path):
         seconds=1.6,
         clock="offline",
         loop="dispatch",
-        serve=ServeConfig(slots=3),
+        serve=_BAD_INPUT_RUN["serve"],  # 2 slots: served from the bad-input runs' programs
         sessions=5,
         churn=True,
         seed=3,
