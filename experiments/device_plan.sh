@@ -25,13 +25,9 @@ keep_profile() {  # the profile's rows and table, appended to one file each (row
 }
 h200=$((mem > 100000))
 slots=$((h200 ? 96 : 40))  # issue 33's target on an H200; what an H100 holds
-# every cache held full (issue 33's setting), and the engine's streamed codec (each frame's
-# codec on a second stream, which the flag lets XLA overlap) against this machine's own
-# reference; model/streams.py reads jax 0.11's scan operands since the KeyError 'num_consts'
-# of 2026-12-06 (not yet run there)
+# every cache held full (issue 33's setting); the streamed codec (--codec_stream) is not
+# queued: on an H100 at 40 slots it gave the same outputs 4 % slower (2026-12-06, 4f89c42)
 full="--hold_full=true --slots=$slots"
-stream_flag="--xla_gpu_experimental_stream_annotation=true"
-streamed="XLA_FLAGS='$stream_flag $unbuffered' $profile $full --codec_stream"
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
   # issue 30: the resident loop at the target's count (cut off on 2026-12-05), to choose the
   # default loop; then issue 33's tick and products, then the aims on the dispatch
@@ -48,7 +44,6 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
   # issue 33 at the target's 96 slots: the reference tick, the products alone, and three TF32
   # passes for the speech decoder and codec (on an H100 at 40 they paid only in the codec)
   last=("$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
-    "$streamed --out_dir=/tmp/tp_cs_96 $log; $(keep_profile cs_96)"
     # the products alone: cuBLAS's full fp32 against our Triton kernel's (TF32 pairs were
     # measured on an H100 on 2026-12-06: 5-9x less exact than full fp32, not queued again)
     "$fp32 --algorithms=float32,pallas_float32 $log"
@@ -63,11 +58,9 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
     # issue 33's second target (135 ms at 112), which the memory plan admits since 2710080
     "$prof --hold_full=true --slots=112 --out_dir=/tmp/tp_112 $log; $(keep_profile 112)")
 else  # an H100 (2026-12-05, d4d68c4: 48 faithful held; the plan admits 52 since 2710080, 86 bf16)
-  # the streamed codec against this machine's own full-cache tick (the TF32 pairs ran on
-  # 2026-12-06; the streamed codec failed to build then)
-  cmds=("$prof $full --out_dir=/tmp/tp_ref_40 $log; $(keep_profile ref_40)"
-    "$streamed --out_dir=/tmp/tp_cs_40 $log; $(keep_profile cs_40)")
-  cmds+=("$cap --sessions=52 --policies=reference --loops=dispatch $log")
+  # (the 40-slot reference and streamed ticks ran on 2026-12-06, 4f89c42: the streamed codec
+  # does not pay; the 52-session serve was cut off by the device time)
+  cmds=("$cap --sessions=52 --policies=reference --loops=dispatch $log")
   cmds+=("$cap --sessions=52 --policies=reference --loops=resident $log")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
   # the G = 1 speech-decoder kernel below AUTO_KERNELS' 56 slots, on caches as they fill
