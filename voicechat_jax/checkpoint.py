@@ -557,8 +557,11 @@ def _restore_leaves(directory: str, stored: Mapping, want: Mapping, sharding) ->
             except Exception as e:
                 # tensorstore's errors are ValueErrors; orbax wraps a chunk's read error (zstd
                 # finding corrupt data, for one) in a bare Exception whose message is the
-                # whole tensorstore spec: the error named is the first cause's.
+                # whole tensorstore spec: the error named is the first cause's. Anything else
+                # is not a damaged file and goes up as it is.
                 cause = _root_cause(e)
+                if not isinstance(cause, (OSError, ValueError)):
+                    raise
                 raise CheckpointError(
                     where,
                     f"orbax cannot restore it ({type(cause).__name__}: {_gist(cause)}); a full "
