@@ -390,7 +390,8 @@ def test_tick_with_kernel_attention_matches_xla():
         # One program per kernel choice (the staged admission programs are not under test).
         engine = Engine(params, cfg, serve, template=shared.template(serve), staged=False)
         tick = step_lib.make_tick(cfg, serve, engine.kernels)
-        kernels[llm, tts] = _pallas_calls(jax.make_jaxpr(tick)(*engine._lowering_args(2)).jaxpr)
+        traced = jax.make_jaxpr(tick)(*engine._lowering_args(serve.slots))
+        kernels[llm, tts] = _pallas_calls(traced.jaxpr)
         if tts is not None:
             continue  # traced only
         beat = engine.empty_beat()
