@@ -71,17 +71,21 @@ def test_plan_refuses_slots_that_do_not_fit(engine):
     template = engine.template
     slot = plan_memory(template, 1, limit_bytes=2**40, in_use_bytes=0).slot_bytes
     assert slot == pytest.approx(_state_bytes(engine.state) / SERVE.slots, rel=1e-6)
+    # The fixed scratch keeps room for the autotuner's copy of the largest weight.
+    params = engine.params
+    bare = plan_memory(template, 1, limit_bytes=2**40, in_use_bytes=0)
+    one = plan_memory(template, 1, limit_bytes=2**40, in_use_bytes=0, params=params)
+    largest = max(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    assert one.scratch_fixed_bytes - bare.scratch_fixed_bytes == largest
     # A budget for about 5 slots (after the fixed scratch, one capsule's LLM state and each
     # slot's share of scratch) refuses 16 and names what fits.
-    one = plan_memory(template, 1, limit_bytes=2**40, in_use_bytes=0)
     limit = one.scratch_fixed_bytes + int(5.5 * (slot + one.scratch_slot_bytes))
-    plan = plan_memory(template, 16, limit_bytes=limit, in_use_bytes=0)
+    plan = plan_memory(template, 16, limit_bytes=limit, in_use_bytes=0, params=params)
     assert not plan.fits
     assert plan.max_slots == 5
-    params = engine.params
     with pytest.raises(MemoryPlanError, match=r"16 slots x .* at most 5 slots fit"):
         Engine(params, CFG, SERVE, template=template, memory_limit_bytes=limit)
-    ok = plan_memory(template, 5, limit_bytes=limit, in_use_bytes=0)
+    ok = plan_memory(template, 5, limit_bytes=limit, in_use_bytes=0, params=params)
     assert ok.fits
 
 

@@ -41,6 +41,9 @@ GIB = 2**30
 # over state and weights was 1.6 GiB at 40 faithful slots (H100, serving, `c778a5e`), 1.26 and
 # 1.40 at 72 and 96 (H200, a profiled tick, `a6cb770`); the compiled ticks' own scratch 0.82-0.91
 # GiB at 72-80 faithful, 1.07 for the resident loop at 80, 1.99 at 112 with the bf16 cache.
+# Beside it the autotuner's copy of the largest weight (``plan_memory``'s ``params``): at 52
+# faithful slots on an H100 (2026-12-06, `0ced39c`) the tick did not compile, the autotuner
+# failing to allocate 1.11 GiB for its copy of the LLM's output head (1.09 GiB of bf16).
 SCRATCH_FIXED_BYTES = 5 * GIB // 4
 SCRATCH_SLOT_BYTES = 20 * 2**20
 
@@ -152,11 +155,14 @@ def plan_memory(
     limit_bytes: int | None = None,
     in_use_bytes: int | None = None,
     device=None,
+    params=None,
 ) -> MemoryPlan:
     """The memory plan of ``slots`` copies of ``template`` on ``device`` (default: the first).
 
     ``limit_bytes`` / ``in_use_bytes`` override what the device reports (tests; a budget smaller
-    than the card).
+    than the card). ``params``: the served weights, whose largest leaf the scratch keeps room for
+    (XLA's GPU autotuner copies a product's operands when it compiles the tick, after the state
+    exists).
     """
     per_slot = _tree_bytes(template)
     per_slot += 1 + 2 * 4  # the live flag and the raw sampling key
@@ -166,7 +172,9 @@ def plan_memory(
     # Scratch: the tick's (``SCRATCH_FIXED_BYTES`` and ``SCRATCH_SLOT_BYTES`` a slot), and one
     # roll-over's capsule prefilled a beat ahead (an LLM state).
     known = limit is not None
-    fixed = SCRATCH_FIXED_BYTES + _tree_bytes(template.llm) if known else 0
+    leaves = jax.tree_util.tree_leaves(params)
+    autotune = max((_tree_bytes(x) for x in leaves), default=0)
+    fixed = SCRATCH_FIXED_BYTES + _tree_bytes(template.llm) + autotune if known else 0
     return MemoryPlan(
         slots=slots,
         slot_bytes=per_slot,
@@ -327,11 +335,14 @@ class Engine:
             per_device,
             limit_bytes=memory_limit_bytes,
             device=None if mesh is None else mesh.devices.flat[0],
+            params=self.params,
         )
         if not self.memory.fits:
             raise MemoryPlanError(f"the state does not fit: {self.memory.describe()}")
         if len(b) > 1:
-            peak = plan_memory(self.template, b[-1] + b[-2], limit_bytes=memory_limit_bytes)
+            peak = plan_memory(
+                self.template, b[-1] + b[-2], limit_bytes=memory_limit_bytes, params=self.params
+            )
             if not peak.fits:
                 raise MemoryPlanError(
                     f"a move into the largest bucket holds two states at once: {peak.describe()}"
