@@ -62,7 +62,10 @@ else  # an H100 (2026-12-05, d4d68c4: 48 faithful held; 2026-12-06, 0ced39c: 84 
   # then and admits 51)
   cmds=("$cap --sessions=51 --policies=reference --loops=dispatch $log")
   cmds+=("$cap --sessions=51 --policies=reference --loops=resident $log")
-  last=()
+  # issue 33: the codec's products under three TF32 passes against full fp32, each against
+  # float64 (the error does not depend on the card's size; an H200 has the same tensor cores)
+  fp32="python3 experiments/fp32_products/run.py --out=$R/fp32_products.jsonl --slots=$slots"
+  last=("$fp32 --shapes=codec --algorithms=float32,TF32_TF32_F32_X3 $log")
 fi
 cmds+=("${last[@]}")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
