@@ -150,3 +150,27 @@ def test_staged_programs_have_no_loop_the_device_decides(rollover_pair):
     # The one-program tick loops over the admitted and rolled-over slots as the device counts.
     n, known = _whiles(one.compile_tick().as_text())
     assert known < n
+
+
+def test_packed_outputs_are_dispatched_ahead_of_the_lanes(rollover_pair, monkeypatch):
+    """``tick_packed`` (the dispatch loop's call) packs the tick's outputs before it prefills the
+    next beat's capsules into lanes, so the copy back does not queue behind a prefill; the
+    outputs, the packed array and the lane are those of ``tick`` and ``pack``."""
+    _, staged = rollover_pair
+    beats = _beats(staged, 2)  # beat 1 asks slot 1's capsule prefilled behind its tick
+    order = []
+    pack, lanes = staged.pack, staged._prefill_lanes
+    monkeypatch.setattr(staged, "pack", lambda out: order.append("pack") or pack(out))
+    monkeypatch.setattr(
+        staged, "_prefill_lanes", lambda *a: order.append("lanes") or lanes(*a)
+    )  # fmt: skip
+    staged.reset()
+    got = [staged.tick_packed(b) for b in beats]
+    assert order == ["pack", "lanes", "pack", "lanes"]
+    assert staged.prefilled == (1,)
+    monkeypatch.undo()
+    staged.reset()
+    want = [staged.tick(b) for b in beats]
+    for (out, packed), ref in zip(got, want, strict=True):
+        chex.assert_trees_all_equal(jax.device_get(out), jax.device_get(ref))
+        np.testing.assert_array_equal(np.asarray(packed), np.asarray(staged.pack(ref)))

@@ -607,6 +607,9 @@ class Engine:
         the next beat's capsules prefilled into lanes behind it. A bucket below the host's slots
         ticks its own rows and pads its outputs; a mesh places the beat's rows on their devices.
         """
+        return self._tick(beat, pack=False)[0]
+
+    def _tick(self, beat: state_lib.BeatInput, *, pack: bool):
         programs = self.programs()
         b, slots = self.bucket, self.serve.slots
         if b < slots and np.any(np.asarray(beat.admit)[b:]):
@@ -623,9 +626,20 @@ class Engine:
             rows = mesh_lib.put_beat(rows, self.mesh)
         self._state, out = programs.tick(self.params, self._state, self.template, *rows)
         self._rule = rule
+        out = out if programs.pad is None else programs.pad(out)
+        packed = None if not pack else self.pack(out)
         if programs.staged:
             self._prefill_lanes(programs, beat)
-        return out if programs.pad is None else programs.pad(out)
+        return out, packed
+
+    def tick_packed(self, beat: state_lib.BeatInput) -> tuple[state_lib.BeatOutput, jax.Array]:
+        """``tick``, and its outputs packed into one array (``pack``) dispatched right behind
+        the tick, ahead of the lanes prefilled for the next beat's roll-overs: the dispatch
+        loop's copy back then waits on the tick alone, not on a capsule's prefill queued behind
+        it. With the pack behind the lanes (`cc24fc3` to `69f4165`) the roll-over beats ran
+        5.1-9.8 ms over the plain ones at p99 on an H100 (84 bf16 and 51 faithful sessions,
+        2026-12-06), against 0.7-1.7 ms before the packed pickup."""
+        return self._tick(beat, pack=True)
 
     def _stage_slots(self, programs: BucketPrograms, beat, masks) -> None:
         """The beat's admissions and roll-overs, one program per slot, before its tick."""

@@ -477,8 +477,8 @@ class Server:
                 sent.append(k)
                 beat = self.prepare(k)
                 prepared = _now()
-                out = self.engine.tick(beat)
-                packed = self.engine.pack(out)  # one array: one copy back, not one a leaf
+                # one array: one copy back, not one a leaf; packed ahead of the next beat's lanes
+                out, packed = self.engine.tick_packed(beat)
                 packed.copy_to_host_async()  # back to the host as soon as the device has it
                 self._to_reader.put(
                     Dispatched(k, timing, prepared, _now(), out, packed, self._snapshot)
