@@ -36,6 +36,7 @@ from voicechat_jax import checkpoint as ckpt
 from voicechat_jax import convert as conv
 from voicechat_jax.cli import serve as serve_cli
 from voicechat_jax.config import ServeConfig, tiny
+from voicechat_jax.engine import MemoryPlanError
 from voicechat_jax.model import voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import audio as audio_lib
@@ -675,3 +676,48 @@ def test_client_errors_are_not_server_failures(served):
     assert sessions["ended_by_reason"]["client error"] == 2
     with contextlib.suppress(KeyError):
         assert sessions["ended_by_reason"]["failed"] == 0
+
+
+# A server that does not fit its device (an H100's autotuner, 2026-12-06)
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "message"),
+    [
+        (
+            lambda: MemoryPlanError("the state does not fit: 64 slots x 934.3 MiB ... at most 51"),
+            2,
+            "voicechat-serve: --slots=64: the state does not fit: 64 slots x 934.3 MiB",
+        ),
+        (
+            lambda: jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.11GiB\nmore"
+            ),
+            1,
+            "voicechat-serve: --slots=64: the device ran out of memory (RESOURCE_EXHAUSTED: "
+            "Out of memory while trying to allocate 1.11GiB); serve fewer slots",
+        ),
+    ],
+)
+def test_slots_that_do_not_fit_are_one_line_errors(cli, capsys, monkeypatch, error, code, message):
+    """The memory plan's refusal (exit 2) and a device that runs out of memory past it, such as
+    the GPU autotuner's buffers while the tick compiles (exit 1): one line each, no traceback."""
+
+    def build(*a, **k):
+        raise error()
+
+    monkeypatch.setattr(runner, "build", build)
+    cli("--slots=64", "--sessions=1", "--clock=offline")
+    got, line = _main_exits(capsys)
+    assert got == code
+    assert line.startswith(message)
+
+
+def test_other_runtime_errors_keep_their_traceback(cli, monkeypatch):
+    def build(*a, **k):
+        raise jax.errors.JaxRuntimeError("INTERNAL: a bug")
+
+    monkeypatch.setattr(runner, "build", build)
+    cli("--slots=2", "--sessions=1", "--clock=offline")
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        serve_cli.main(["voicechat-serve"])

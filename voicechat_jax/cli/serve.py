@@ -657,6 +657,7 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]} (flags are --name=value)", EXIT_USAGE)
     from voicechat_jax.checkpoint import CheckpointError  # orbax: imported once flags are good
+    from voicechat_jax.engine import MemoryPlanError
 
     options = options_from_flags()
     _preflight(options)
@@ -692,6 +693,18 @@ def main(argv: list[str]) -> int:
         result = runner.run(options, stop=stop)
     except CheckpointError as e:
         _fail(f"checkpoint {FLAGS.checkpoint}: {e}", EXIT_ERROR)
+    except MemoryPlanError as e:  # refused before anything was allocated
+        _fail(f"--slots={options.serve.slots}: {e}", EXIT_USAGE)
+    except jax.errors.JaxRuntimeError as e:
+        if not str(e).startswith("RESOURCE_EXHAUSTED"):
+            raise  # a bug: its traceback
+        # Past the plan: a compile (the autotuner's buffers) or a beat found the device full.
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        _fail(
+            f"--slots={options.serve.slots}: the device ran out of memory ({first}); "
+            "serve fewer slots",
+            EXIT_ERROR,
+        )
     except outdir.OutputDirFinishedError as e:
         _fail(str(e), EXIT_USAGE)
     except outdir.OutputDirError as e:
