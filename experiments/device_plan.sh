@@ -12,6 +12,13 @@
 # after the wheels are installed (experiments/device_wheels.sh).
 set -euo pipefail
 : "${EXPERIMENTS_COMMIT:?set EXPERIMENTS_COMMIT to the commit sent (git rev-parse --short HEAD)}"
+# The device's copy of the tree keeps the git metadata of an older commit: a commit read there
+# names that one, not the tree sent (2026-12-06: rows of 69f4165 written as 0ced39c).
+if [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]] &&
+  [[ "$EXPERIMENTS_COMMIT" == "$(git rev-parse --short HEAD 2>/dev/null)" ]]; then
+  echo "EXPERIMENTS_COMMIT=$EXPERIMENTS_COMMIT is this copy's stale HEAD: pass the commit sent" >&2
+  exit 2
+fi
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 R='$QUEUE_ROWS'  # expanded by the queue, which exports it
