@@ -82,25 +82,92 @@ def test_audio() -> np.ndarray:
     return (0.2 * envelope * sweep + 0.02 * rng.standard_normal(n)).astype(np.float32)
 
 
-# The files that take longest run first. The suite runs on two pytest-xdist workers, a file at a
-# time (pyproject.toml: ``-n 2 --dist loadfile``); a long file started last would keep one worker
-# busy after the other has finished. After each name: its slowest tests' seconds here, one worker.
-SLOW_FIRST = (
-    "test_mesh.py",  # one 4-device subprocess: the data mesh, tensor parallelism, the server
-    "test_serve_cli.py",  # 206: voicechat-serve subprocesses, one on the real-time clock
-    "test_engine.py",  # 191
-    "test_conversation_memory.py",  # 135
-    "test_net.py",  # 61, and the browser call where Chromium is installed
-    "test_staged_tick.py",  # 51
-    "test_convert.py",  # 49
-    "test_pipeline.py",  # 47
-    "test_scheduler.py",  # 44
-    "test_ear_tts.py",  # 43
-    "test_server_host.py",  # 39
-    "test_fleet.py",  # three servers behind HAProxy where it is installed
-)
+# How the files are spread over the two pytest-xdist workers (pyproject.toml: ``-n 2 --dist
+# loadfile``). A worker takes the next unit of work when it is nearly out of tests, so the longest
+# units go first and the short ones fill the end. pytest-xdist 3.8 reorders its queue by the
+# number of tests in a file (a 99-test file of table checks first, test_fleet.py's 38 s last, one
+# worker idle meanwhile: the cold run of 2026-12-06, 144f833), so the suite brings its own
+# scheduler (``pytest_xdist_make_scheduler`` below), which keeps this order and runs the files of
+# a group in one worker: they then share what a process builds once (the NeMo reference model of
+# ``nemo_tiny``, ~20 s; ``tests/shared.py``'s params, templates and engines; the programs
+# ``step`` keeps per configuration), which the cold run of 2026-12-06 built in both workers.
+GROUPS = {
+    # every file that builds the tiny NeMo reference (``nemo_tiny``)
+    "nemo": (
+        "test_mesh.py",
+        "test_convert.py",
+        "test_pipeline.py",
+        "test_checkpoint_integrity.py",
+        "test_nemo_ref.py",
+    ),
+    # shared.engine(slots=3, context_frames=64) and the default 2-slot engine's programs
+    "engine": ("test_engine.py", "test_server_host.py"),
+    # the same four 3-slot, 8-frame configurations, staged and one-program
+    "staged": ("test_staged_tick.py", "test_slot_rule.py"),
+}
+# Seconds of each unit (a group, or a file of no group) in one worker of the cold run of
+# 2026-12-06 (144f833); a file not named here counts as 0 and runs after those that are.
+UNIT_SECONDS = {
+    "nemo": 194,
+    "test_serve_cli.py": 156,  # voicechat-serve subprocesses, one on the real-time clock
+    "engine": 140,
+    "test_conversation_memory.py": 69,  # the four-minute call
+    "test_net.py": 60,  # and the browser call where Chromium is installed
+    "test_decode_attention.py": 52,
+    "staged": 40,
+    "test_realtime_ga.py": 30,
+    "test_scheduler.py": 29,
+    "test_precision.py": 24,
+    "test_ear_tts.py": 23,
+    "test_policy_sim.py": 22,
+    "test_mha_decode_attention.py": 19,
+    "test_probe.py": 18,
+    "test_gemma.py": 17,
+    "test_memory.py": 16,
+    "test_rollover.py": 12,
+    "test_pallas_matmul.py": 12,
+    "test_conformer.py": 12,
+    "test_pallas_mamba_step.py": 11,
+    "test_nano.py": 11,
+    "test_pallas_ssm_step.py": 11,
+    "test_codec.py": 9,
+    "test_rnnt.py": 7,
+    "test_stream_overlap.py": 6,
+    "test_admission_sim.py": 6,
+    "test_model_full_size.py": 6,
+    "test_tick_profile.py": 5,
+}
+# Last: three voicechat-serve subprocesses behind HAProxy (where it is installed), whose first
+# start compiles the default programs unless test_serve_cli.py's runs have cached them; run beside
+# the other worker's compiles it took 87 s against 38 s at the end (2026-12-06).
+LAST = ("test_fleet.py",)
+_GROUP_OF = {name: group for group, names in GROUPS.items() for name in names}
+
+
+def _unit(file_name: str) -> str:
+    """The unit of work a test file belongs to: its group, or the file itself."""
+    return _GROUP_OF.get(file_name, file_name)
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: k for k, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order within a file
+    def key(item):
+        unit = _unit(item.path.name)
+        return unit in LAST, -UNIT_SECONDS.get(unit, 0), unit
+
+    items.sort(key=key)  # stable: the files of a unit, and the tests of a file, keep their order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` by unit (``GROUPS``) in the order of ``pytest_collection_modifyitems``
+    (pytest-xdist's reordering by test count off); any other ``--dist`` as pytest-xdist has it."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid.split("::", 1)[0].rsplit("/", 1)[-1])
+
+    config.option.loadscopereorder = False
+    return UnitScheduling(config, log)
