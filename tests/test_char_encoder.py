@@ -9,9 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from nemo.collections.common.tokenizers import AutoTokenizer
-from nemo.collections.speechlm2.modules.ear_tts_model import CharAwareSubwordEncoder, build_vocabs
-from omegaconf import OmegaConf
 
 from tests.reference.tiny_tokenizer import make_tiny_tokenizer
 from voicechat_jax.config import SpeechDecoderConfig, tiny, voicechat_11b
@@ -21,8 +18,13 @@ from voicechat_jax.model import char_encoder
 from voicechat_jax.precision import Precision
 
 
-def nemo_encoder(cfg: SpeechDecoderConfig, tokenizer) -> CharAwareSubwordEncoder:
-    """The module as ``RVQEARTTSModel`` builds it from ``cas_config`` (T5Gemma, one layer)."""
+def nemo_encoder(cfg: SpeechDecoderConfig, tokenizer):
+    """The module as ``RVQEARTTSModel`` builds it from ``cas_config`` (T5Gemma, one layer): a
+    NeMo ``CharAwareSubwordEncoder`` (NeMo imported here, not when the file is collected: its
+    import takes ~13 s, and every pytest-xdist worker collects every file)."""
+    from nemo.collections.speechlm2.modules.ear_tts_model import CharAwareSubwordEncoder
+    from omegaconf import OmegaConf
+
     encoder = {
         "vocab_size": 16,  # its embed_tokens is deleted by NeMo; any size
         "hidden_size": cfg.d_model,
@@ -54,6 +56,8 @@ def rel_err(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    from nemo.collections.common.tokenizers import AutoTokenizer
+
     cfg = tiny()
     tcfg = cfg.tts
     tok_dir = make_tiny_tokenizer(tmp_path_factory.mktemp("tok"), cfg.llm.vocab_size)
@@ -101,6 +105,8 @@ def token_ids(tokenizer) -> np.ndarray:
 
 
 def test_char_table_matches_build_vocabs(setup):
+    from nemo.collections.speechlm2.modules.ear_tts_model import build_vocabs
+
     cfg, tokenizer, _, _, _, table = setup
     id_to_chars, chars, subword_pad = build_vocabs(tokenizer)
     assert len(chars) + 1 == cfg.tts.char_vocab

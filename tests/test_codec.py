@@ -8,6 +8,7 @@ so the compared ranges are ``stream[14:]`` and ``offline[6:-8]``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -25,7 +26,13 @@ from voicechat_jax.model.common import count_params
 from voicechat_jax.precision import Precision
 from voicechat_jax.release_config import codec_config
 
-ear = pytest.importorskip("nemo.collections.speechlm2.modules.ear_tts_vae_codec")
+
+@functools.cache
+def _ear():
+    """NeMo's codec module, imported when a test first needs it, not when the file is collected
+    (NeMo's import takes ~13 s, and every pytest-xdist worker collects every file)."""
+    return pytest.importorskip("nemo.collections.speechlm2.modules.ear_tts_vae_codec")
+
 
 T = 20  # code frames per decode test
 B = 2
@@ -63,12 +70,12 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             elif isinstance(m, torch.nn.Conv1d):  # [out, in/g, k]
                 scale = 1.5 if m is out_conv else 0.5 if name.endswith("pwconv2") else 1.0
                 randn(m.weight, scale * (m.weight.shape[1] * m.weight.shape[2]) ** -0.5)
-            elif isinstance(m, ear.LayerNormNd):
+            elif isinstance(m, _ear().LayerNormNd):
                 m.weight.copy_(1.0 + 0.1 * torch.randn(m.weight.shape, generator=g))
-            elif isinstance(m, ear.PreTrainedEMAVariance):
+            elif isinstance(m, _ear().PreTrainedEMAVariance):
                 m.variance.copy_(0.5 + torch.rand((), generator=g))
             if getattr(m, "bias", None) is not None and not isinstance(
-                m, ear.PreTrainedEMAVariance
+                m, _ear().PreTrainedEMAVariance
             ):
                 randn(m.bias, 0.1)
         # prvq.mus_list keeps NeMo's own init: unit rows scaled by (Q - q) / Q
@@ -92,7 +99,7 @@ def cfg() -> CodecConfig:
 @pytest.fixture(scope="module")
 def ref(cfg):
     torch.manual_seed(0)
-    model = ear.RVQVAEModel(nemo_config(cfg)).eval()
+    model = _ear().RVQVAEModel(nemo_config(cfg)).eval()
     _randomize(model, seed=1)
     return model
 
@@ -169,7 +176,7 @@ def test_streaming_matches_own_offline_delayed(ours_stream, ours_offline):
 
 
 def test_streaming_matches_nemo_streaming(cfg, ref, codes, ours_stream):
-    cache = ear.CausalConv1dCache()
+    cache = _ear().CausalConv1dCache()
     out = []
     with torch.no_grad():
         for t in range(T):
@@ -237,7 +244,7 @@ def test_full_size_key_table_matches_nemo():
     """voicechat_11b: every NeMo codec tensor has a rule, shapes fit, counts match minus drops."""
     cfg = voicechat_11b()
     with torch.device("meta"):
-        model = ear.RVQVAEModel(nemo_config(cfg.codec))
+        model = _ear().RVQVAEModel(nemo_config(cfg.codec))
     shapes = {codec_keys.PREFIX + k: tuple(v.shape) for k, v in model.state_dict().items()}
     rules = codec_keys.rules(cfg)
     assert len(shapes) == 214  # the release's audio_codec census (docs/model.md §4)

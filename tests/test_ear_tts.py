@@ -13,6 +13,7 @@ docs/model.md §8) or, for the faithful sampler, NeMo run on our own random draw
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,13 @@ from voicechat_jax.model.common import count_params
 from voicechat_jax.precision import Precision
 from voicechat_jax.release_config import codec_config
 
-etm = pytest.importorskip("nemo.collections.speechlm2.modules.ear_tts_model")
+
+@functools.cache
+def _etm():
+    """NeMo's ``ear_tts_model``, imported when a test first needs it, not when the file is
+    collected (NeMo's import takes ~13 s, and every pytest-xdist worker collects every file)."""
+    return pytest.importorskip("nemo.collections.speechlm2.modules.ear_tts_model")
+
 
 B = 2
 MAX_LEN = 64
@@ -294,7 +301,7 @@ def test_top_p_filter_matches_transformers(cfg):
 def test_schedule_matches_nemo(preset):
     t = {"voicechat_11b": voicechat_11b, "tiny": tiny, "test": test_config}[preset]().tts
     rates = torch.linspace(0.0, 1.0, t.num_iter + 1)[:-1].unsqueeze(-1)
-    nemo = torch.ceil(etm.get_masking_rate(rates, exponent=t.exponent) * t.n_quantizers).long()
+    nemo = torch.ceil(_etm().get_masking_rate(rates, exponent=t.exponent) * t.n_quantizers).long()
     assert ear_tts.masked_counts(t) == tuple(nemo[:, 0].tolist())
     if preset == "voicechat_11b":
         assert ear_tts.masked_counts(t) == (31, 31, 31, 31, 30, 29, 26, 22)
@@ -307,13 +314,13 @@ def _nemo_generate(ref, h: np.ndarray, cfg, *, deterministic: bool, draws=None, 
     """``RVQEARTTSModel.generate_step`` on [cond; uncond] hidden states; records its rounds."""
     t = cfg.tts
     rounds = []
-    real_step = etm.depthsum_encoding_step
+    real_step = _etm().depthsum_encoding_step
 
     def recording_step(embs, r, code, depth_str=0, k=72):
         rounds.append((depth_str, k))
         return real_step(embs, r, code, depth_str, k)
 
-    monkeypatch.setattr(etm, "depthsum_encoding_step", recording_step)
+    monkeypatch.setattr(_etm(), "depthsum_encoding_step", recording_step)
     if draws is not None:
         u, eps = (iter(torch.from_numpy(np.asarray(a))) for a in draws)
         monkeypatch.setattr(torch, "rand_like", lambda x: next(u).view_as(x).to(x))
@@ -562,7 +569,7 @@ def test_full_size_shapes_and_count_match_nemo():
     cfg = voicechat_11b()
     t = cfg.tts
     with torch.device("meta"):
-        model = etm.RVQEARTTSModel(_dict_config(tts_config(cfg, with_char_encoder=False)))
+        model = _etm().RVQEARTTSModel(_dict_config(tts_config(cfg, with_char_encoder=False)))
         model.set_rvq_embs(torch.empty(t.n_quantizers, t.codebook_size, t.latent_size))
     nemo = {f"tts_model.tts_model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
     nemo[f"tts_model.audio_prompt_latents.{t.speaker_name}"] = (1, t.prompt_frames, t.d_model)

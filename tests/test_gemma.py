@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache, Gemma3TextConfig, Gemma3TextModel
+import transformers  # its models load when first named (lazily), not at collection
 
 from voicechat_jax.config import SpeechDecoderConfig, tiny, voicechat_11b
 from voicechat_jax.keys import fill
@@ -23,9 +23,9 @@ TOTAL = PREFILL + STEPS  # > tiny sliding window (8): sliding layers drop early 
 S = 32
 
 
-def hf_config(cfg: SpeechDecoderConfig) -> Gemma3TextConfig:
+def hf_config(cfg: SpeechDecoderConfig) -> transformers.Gemma3TextConfig:
     """The ``Gemma3TextConfig`` NeMo builds from the release's ``backbone_config``."""
-    return Gemma3TextConfig(
+    return transformers.Gemma3TextConfig(
         vocab_size=16,  # embed_tokens is deleted by NeMo; any size
         hidden_size=cfg.d_model,
         intermediate_size=cfg.mlp_dim,
@@ -57,7 +57,7 @@ def setup():
     cfg = tiny()
     tcfg = cfg.tts
     torch.manual_seed(0)
-    model = Gemma3TextModel(hf_config(tcfg)).eval()
+    model = transformers.Gemma3TextModel(hf_config(tcfg)).eval()
     del model.embed_tokens  # as NeMo's find_and_delete_module does
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -109,7 +109,7 @@ def test_matches_hf_full_sequence(setup):
 def test_matches_hf_with_cache(setup):
     cfg, model, params, x, _ = setup
     with torch.no_grad():
-        past = DynamicCache(config=model.config)
+        past = transformers.DynamicCache(config=model.config)
         out = model(
             inputs_embeds=torch.from_numpy(x[:, :PREFILL]), past_key_values=past, use_cache=True
         )
@@ -202,7 +202,7 @@ def test_full_size_param_count():
     tcfg = voicechat_11b().tts
     ours = count_params(gemma.abstract(tcfg, Precision.reference()))
     with torch.device("meta"):
-        model = Gemma3TextModel(hf_config(tcfg))
+        model = transformers.Gemma3TextModel(hf_config(tcfg))
     del model.embed_tokens
     theirs = sum(p.numel() for p in model.parameters())
     assert ours == theirs

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import NemotronHConfig, NemotronHForCausalLM
-from transformers.cache_utils import DynamicCache
+import transformers  # its models load when first named (lazily), not at collection
 
 from voicechat_jax.config import PAD_ID, tiny, voicechat_11b
 from voicechat_jax.keys import KeyRule, fill
@@ -36,9 +35,9 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def hf_config(cfg, time_step_min: float) -> NemotronHConfig:
+def hf_config(cfg, time_step_min: float) -> transformers.NemotronHConfig:
     c = cfg.llm
-    return NemotronHConfig(
+    return transformers.NemotronHConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.d_model,
         hybrid_override_pattern=c.pattern,
@@ -87,7 +86,7 @@ def randomize(model: torch.nn.Module) -> None:
                 layer.mixer.D[:group].normal_(0.0, 0.01)
 
 
-def release_names(model: NemotronHForCausalLM, function_head: torch.nn.Linear) -> dict:
+def release_names(model: transformers.NemotronHForCausalLM, function_head: torch.nn.Linear) -> dict:
     """The torch state dict under the release's names (NeMo moves the embedding out of the LLM)."""
     out = {}
     for k, v in model.state_dict().items():
@@ -113,14 +112,14 @@ def ref():
     """The torch reference, our params loaded from its weights, inputs and reference outputs."""
     cfg = tiny()
     torch.manual_seed(0)
-    model = NemotronHForCausalLM(hf_config(cfg, time_step_min=1e-30)).eval()
+    model = transformers.NemotronHForCausalLM(hf_config(cfg, time_step_min=1e-30)).eval()
     randomize(model)
     function_head = torch.nn.Linear(cfg.llm.d_model, cfg.llm.vocab_size, bias=False)
     tensors = release_names(model, function_head)
     x = torch.randn(B, T, cfg.llm.d_model)
     with torch.no_grad():
         full = model.model(inputs_embeds=x).last_hidden_state
-        cache = DynamicCache(config=model.config)
+        cache = transformers.DynamicCache(config=model.config)
         frames = [
             model.model(
                 inputs_embeds=x[:, t : t + 1], past_key_values=cache, use_cache=True
@@ -193,7 +192,7 @@ def test_dt_is_not_clamped(ref, ours):
     The random dt_bias puts many heads' dt below 1e-3, so the clamp changes the result by far more
     than the parity tolerance; this shows the parity tests would catch a clamp.
     """
-    clamped = NemotronHForCausalLM(hf_config(ref["cfg"], time_step_min=1e-3)).eval()
+    clamped = transformers.NemotronHForCausalLM(hf_config(ref["cfg"], time_step_min=1e-3)).eval()
     clamped.load_state_dict(ref["model"].state_dict())
     with torch.no_grad():
         full = clamped.model(inputs_embeds=torch.from_numpy(ref["x"])).last_hidden_state.numpy()

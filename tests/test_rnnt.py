@@ -10,6 +10,8 @@ The greedy reference is ``GreedyRNNTInfer`` (sequence level) and ``GreedyBatched
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,9 +24,21 @@ from voicechat_jax.model import rnnt
 from voicechat_jax.model.common import count_params
 from voicechat_jax.precision import Precision
 
+
+@functools.cache
+def _greedy():
+    """NeMo's ``rnnt_greedy_decoding``, imported when a test first needs it, not when the file
+    is collected (NeMo's import takes ~13 s, and every pytest-xdist worker collects every file)."""
+    return pytest.importorskip("nemo.collections.asr.parts.submodules.rnnt_greedy_decoding")
+
+
+@functools.cache
+def _nemo_rnnt():
+    """NeMo's ``asr.modules``, imported when a test first needs it (as ``_greedy``)."""
+    return pytest.importorskip("nemo.collections.asr.modules")
+
+
 torch = pytest.importorskip("torch")
-nemo_rnnt = pytest.importorskip("nemo.collections.asr.modules")
-greedy = pytest.importorskip("nemo.collections.asr.parts.submodules.rnnt_greedy_decoding")
 
 CFG = tiny()
 RC = CFG.rnnt
@@ -40,12 +54,12 @@ def _nemo_modules(rc, *, dropout: float = 0.2):
     The joint's dropout makes ``joint_net`` = [ReLU, Dropout, Linear], which gives the release's
     ``joint_net.2`` key; it is inactive in eval mode.
     """
-    dec = nemo_rnnt.RNNTDecoder(
+    dec = _nemo_rnnt().RNNTDecoder(
         prednet={"pred_hidden": rc.pred_hidden, "pred_rnn_layers": rc.pred_layers},
         vocab_size=rc.vocab_size,
         blank_as_pad=rc.blank_as_pad,
     )
-    joint = nemo_rnnt.RNNTJoint(
+    joint = _nemo_rnnt().RNNTJoint(
         jointnet={
             "joint_hidden": rc.joint_hidden,
             "activation": "relu",
@@ -125,16 +139,16 @@ def ref():
 def _nemo_whole(dec, joint, enc, batched: bool):
     kw = {"blank_index": RC.blank_id, "max_symbols_per_step": RC.max_symbols}
     if batched:
-        infer = greedy.GreedyBatchedRNNTInfer(dec, joint, **kw, use_cuda_graph_decoder=False)
+        infer = _greedy().GreedyBatchedRNNTInfer(dec, joint, **kw, use_cuda_graph_decoder=False)
     else:
-        infer = greedy.GreedyRNNTInfer(dec, joint, **kw)
+        infer = _greedy().GreedyRNNTInfer(dec, joint, **kw)
     (hyp,) = infer(encoder_output=enc.transpose(1, 2), encoded_lengths=torch.tensor([T]))[0]
     return _frames_of(hyp.y_sequence, hyp.timestamp)
 
 
 def _nemo_chunked(dec, joint, enc):
     """Label-looping greedy decoding, CHUNK frames per call, carrying ``partial_hypotheses``."""
-    infer = greedy.GreedyBatchedRNNTInfer(
+    infer = _greedy().GreedyBatchedRNNTInfer(
         dec,
         joint,
         blank_index=RC.blank_id,
