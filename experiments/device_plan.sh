@@ -53,12 +53,13 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
   last=("$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
     # the products alone: cuBLAS's full fp32 against our Triton kernel's (TF32 pairs were
     # measured on an H100 on 2026-12-06: 5-9x less exact than full fp32, not queued again)
-    "$fp32 --algorithms=float32,pallas_float32 $log"
     # the codec's products under three TF32 passes against full fp32, each against float64:
     # the measurement that would let them stand in for the faithful ones
     "$fp32 --shapes=codec --algorithms=float32,TF32_TF32_F32_X3 $log"
     "$prof $full --policy=tf32x3_tts_codec --out_dir=/tmp/tp_x3_96 $log; $(keep_profile x3_96)"
+    # issue 30: the roll-over beats with the pack ahead of the lanes (b264dcd)
     "$cap --sessions=96 --policies=reference --loops=dispatch $log"
+    "$fp32 --algorithms=float32,pallas_float32 $log"
     "$dc --label=default $log"
     "XLA_FLAGS='$graph' $dc --label=whole_graph $log"
     "$cap --sessions=128 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log"
