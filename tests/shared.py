@@ -45,6 +45,14 @@ def sub_jaxprs(eqn) -> list:
     return [s for s in (getattr(s, "jaxpr", s) for s in subs) if hasattr(s, "eqns")]
 
 
+@functools.cache
+def nemo_module(name: str):
+    """The NeMo module ``name``, imported when a test first needs it rather than when its file is
+    collected: NeMo's import takes ~13 s, and every pytest-xdist worker collects every file (the
+    test is skipped where NeMo is missing)."""
+    return pytest.importorskip(name)
+
+
 def _policy(precision: precision_lib.Precision | str) -> precision_lib.Precision:
     return precision_lib.POLICIES[precision]() if isinstance(precision, str) else precision
 

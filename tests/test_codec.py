@@ -18,6 +18,7 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
+from tests import shared
 from voicechat_jax.config import CodecConfig, tiny, voicechat_11b
 from voicechat_jax.keys import KeyRule, fill
 from voicechat_jax.keys import codec as codec_keys
@@ -26,12 +27,7 @@ from voicechat_jax.model.common import count_params
 from voicechat_jax.precision import Precision
 from voicechat_jax.release_config import codec_config
 
-
-@functools.cache
-def _ear():
-    """NeMo's codec module, imported when a test first needs it, not when the file is collected
-    (NeMo's import takes ~13 s, and every pytest-xdist worker collects every file)."""
-    return pytest.importorskip("nemo.collections.speechlm2.modules.ear_tts_vae_codec")
+_ear = functools.partial(shared.nemo_module, "nemo.collections.speechlm2.modules.ear_tts_vae_codec")
 
 
 T = 20  # code frames per decode test

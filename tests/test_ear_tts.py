@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests import shared
 from tests.reference.tiny_tokenizer import make_tiny_tokenizer
 from voicechat_jax.config import BOS_ID, EOS_ID, PAD_ID, ModelConfig, tiny, voicechat_11b
 from voicechat_jax.keys import fill, to_layout, tts_backbone
@@ -30,12 +31,7 @@ from voicechat_jax.model.common import count_params
 from voicechat_jax.precision import Precision
 from voicechat_jax.release_config import codec_config
 
-
-@functools.cache
-def _etm():
-    """NeMo's ``ear_tts_model``, imported when a test first needs it, not when the file is
-    collected (NeMo's import takes ~13 s, and every pytest-xdist worker collects every file)."""
-    return pytest.importorskip("nemo.collections.speechlm2.modules.ear_tts_model")
+_etm = functools.partial(shared.nemo_module, "nemo.collections.speechlm2.modules.ear_tts_model")
 
 
 B = 2

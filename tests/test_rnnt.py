@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import shared
 from voicechat_jax.config import tiny, voicechat_11b
 from voicechat_jax.keys import fill
 from voicechat_jax.keys import rnnt as rnnt_keys
@@ -24,18 +25,12 @@ from voicechat_jax.model import rnnt
 from voicechat_jax.model.common import count_params
 from voicechat_jax.precision import Precision
 
-
-@functools.cache
-def _greedy():
-    """NeMo's ``rnnt_greedy_decoding``, imported when a test first needs it, not when the file
-    is collected (NeMo's import takes ~13 s, and every pytest-xdist worker collects every file)."""
-    return pytest.importorskip("nemo.collections.asr.parts.submodules.rnnt_greedy_decoding")
+_greedy = functools.partial(
+    shared.nemo_module, "nemo.collections.asr.parts.submodules.rnnt_greedy_decoding"
+)
 
 
-@functools.cache
-def _nemo_rnnt():
-    """NeMo's ``asr.modules``, imported when a test first needs it (as ``_greedy``)."""
-    return pytest.importorskip("nemo.collections.asr.modules")
+_nemo_rnnt = functools.partial(shared.nemo_module, "nemo.collections.asr.modules")
 
 
 torch = pytest.importorskip("torch")
