@@ -699,7 +699,7 @@ def main(argv: list[str]) -> int:
         if not str(e).startswith("RESOURCE_EXHAUSTED"):
             raise  # a bug: its traceback
         # Past the plan: a compile (the autotuner's buffers) or a beat found the device full.
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        first = str(e).splitlines()[0]  # XLA's own line; the rest is its source trace
         _fail(
             f"--slots={options.serve.slots}: the device ran out of memory ({first}); "
             "serve fewer slots",
