@@ -68,12 +68,15 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
 else  # an H100 (2026-12-05, d4d68c4: 48 faithful held; 2026-12-06, 0ced39c: 84 bf16 held, 52
   # faithful did not compile, the autotuner short of memory: the plan keeps room for it since
   # then and admits 51)
-  cmds=("$cap --sessions=51 --policies=reference --loops=dispatch $log")
+  # issue 33 first (a few minutes, and it decides what the CPU work does next): the codec's
+  # products under three TF32 passes against full fp32, each against float64, at the H200's
+  # target rows (the error does not depend on the card's size: an H200 has the same tensor cores)
+  fp32="python3 experiments/fp32_products/run.py --out=$R/fp32_products.jsonl --slots=96"
+  cmds=("$fp32 --shapes=codec --algorithms=float32,TF32_TF32_F32_X3 $log")
+  # issue 30: the roll-over beats with the pack ahead of the lanes (b264dcd), then the loops
+  cmds+=("$cap --sessions=51 --policies=reference --loops=dispatch $log")
   cmds+=("$cap --sessions=51 --policies=reference --loops=resident $log")
-  # issue 33: the codec's products under three TF32 passes against full fp32, each against
-  # float64 (the error does not depend on the card's size; an H200 has the same tensor cores)
-  fp32="python3 experiments/fp32_products/run.py --out=$R/fp32_products.jsonl --slots=$slots"
-  last=("$fp32 --shapes=codec --algorithms=float32,TF32_TF32_F32_X3 $log")
+  last=()
 fi
 cmds+=("${last[@]}")
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
