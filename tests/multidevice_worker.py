@@ -51,6 +51,7 @@ def serve_runs(out_dir: str) -> None:
             seconds=0.8,
             clock="offline",
             devices=n,
+            loop="dispatch",  # one loop for both counts (auto picks resident on one device)
             output_dir=os.path.join(out_dir, f"d{n}"),
         )
         os.makedirs(options.output_dir, exist_ok=True)

@@ -269,6 +269,7 @@ class Rows:
 
 
 def _serve(engine, plans, n_ticks, **kw):
+    kw.setdefault("loop", "dispatch")  # the resident loop has its own test below
     sink = Rows()
     server = Recording(
         engine, clock="offline", metrics_sink=sink, vanish_beats=None, max_backlog_beats=None, **kw
@@ -415,6 +416,7 @@ def test_cli_at_cap_memory_runs(tmp_path):
         "--slots=1",
         "--seconds=5",
         "--clock=offline",  # the default precision: its programs are in the tests' shared cache
+        "--loop=dispatch",  # (the resident loop, with host callbacks, is never in that cache)
         f"--output_dir={out}",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -459,6 +459,7 @@ def test_frames_jsonl_schema(tmp_path):
         runner.RunOptions(
             seconds=0.48,
             clock="offline",
+            loop="dispatch",
             sessions=1,
             serve=_BAD_INPUT_RUN["serve"],  # a configuration this file serves already
             output_dir=str(tmp_path),

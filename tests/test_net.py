@@ -649,7 +649,7 @@ def test_serve_listen_drains_on_sigterm(tmp_path):
     log = (tmp_path / "stdout.txt").open("w"), (tmp_path / "stderr.txt").open("w")
     cmd = [
         sys.executable, "-m", "voicechat_jax.cli.serve", "--listen=127.0.0.1:0", "--slots=2",
-        "--context_frames=24", "--at_cap=rollover", f"--output_dir={out}",
+        "--context_frames=24", "--at_cap=rollover", "--loop=dispatch", f"--output_dir={out}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, stdout=log[0], stderr=log[1], text=True, env=env)

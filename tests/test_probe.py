@@ -419,6 +419,7 @@ class Served:
             seconds=math.inf,
             output_dir=str(output_dir),
             clock="realtime",
+            loop="dispatch",
             warmup_ticks=1,
             listen="127.0.0.1:0",
             net={

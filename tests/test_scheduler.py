@@ -230,6 +230,7 @@ def bucket_engine(params, engine):
 
 def _serve(engine, plans, n_ticks, scheduler=None, **kw) -> Server:
     engine.reset()
+    kw.setdefault("loop", "dispatch")  # the engine's programs this file shares
     server = Server(engine, clock="offline", seed=SEED, warmup_ticks=0, scheduler=scheduler, **kw)
     server.run(plans, n_ticks)
     return server
@@ -420,7 +421,9 @@ def _two_callers_and_a_queue(engine, *, a_leaves: int) -> tuple[list[SessionPlan
     ]
     engine.reset()
     policy = sched.AdmissionControl(sched.Lockstep(), queue_beats=10)
-    return plans, Server(engine, clock="offline", seed=SEED, warmup_ticks=0, scheduler=policy)
+    return plans, Server(
+        engine, clock="offline", loop="dispatch", seed=SEED, warmup_ticks=0, scheduler=policy
+    )
 
 
 def test_a_network_caller_who_hangs_up_in_the_queue_holds_no_place(engine):

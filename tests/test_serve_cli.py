@@ -169,6 +169,7 @@ def test_context_cap_and_failed_sessions_are_reported(serve_main, tmp_path):
         "--context_frames=4",
         "--seconds=1.6",
         "--clock=offline",
+        "--loop=dispatch",
         "--slots=2",
         "--sessions=2",
         f"--input_wav={ASSET}",
@@ -245,7 +246,7 @@ def test_signal_drains_and_exits_0(tmp_path, sig, loop):
 
 def test_second_signal_exits_at_once(tmp_path):
     """A second signal does not wait for the drain; the files are still valid."""
-    proc, out, ran_before = _serve_until(tmp_path, 8)
+    proc, out, ran_before = _serve_until(tmp_path, 8, "--loop=dispatch")
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGINT)
     rc = proc.wait(timeout=30)

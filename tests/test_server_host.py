@@ -21,7 +21,14 @@ from tests import shared
 from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import GcMonitor, read_wav
-from voicechat_jax.serving.server import Engine, Server, SessionPlan, write_session_outputs
+from voicechat_jax.serving.server import (
+    Engine,
+    Server,
+    ServerConfig,
+    SessionPlan,
+    pick_loop,
+    write_session_outputs,
+)
 
 CFG = tiny()
 PREC = Precision.fp32()
@@ -286,3 +293,20 @@ def test_request_stop_drains(engine, tmp_path):
             pathlib.Path(paths[name]).read_bytes()
             == pathlib.Path(server.outputs["q0"][name]).read_bytes()
         )
+
+
+def test_auto_loop_is_resident_where_it_can_serve():
+    """``loop="auto"`` (every default): the resident loop on one device with one slot count, the
+    dispatch loop on a mesh or with slot buckets; a named loop is kept, and the resident loop
+    named where it cannot serve is refused."""
+    assert ServerConfig().loop == "auto"
+    assert pick_loop("auto", mesh=False, buckets=False) == "resident"
+    assert pick_loop("auto", mesh=True, buckets=False) == "dispatch"
+    assert pick_loop("auto", mesh=False, buckets=True) == "dispatch"
+    assert pick_loop("dispatch", mesh=False, buckets=False) == "dispatch"
+    with pytest.raises(ValueError, match=r"a mesh .* dispatch loop only"):
+        pick_loop("resident", mesh=True, buckets=False)
+    with pytest.raises(ValueError, match=r"slot buckets .* dispatch loop only"):
+        pick_loop("resident", mesh=False, buckets=True)
+    with pytest.raises(ValueError, match="loop must be one of"):
+        ServerConfig(loop="eager")

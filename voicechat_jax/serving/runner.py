@@ -51,7 +51,7 @@ class RunOptions:
     seconds: float = 10.0
     input_wavs: tuple[str, ...] = ()
     output_dir: str = "runs/serve"
-    loop: str = "dispatch"
+    loop: str = "auto"  # server.pick_loop: resident on one device, dispatch on a mesh or buckets
     clock: str = "realtime"
     devices: int = 1  # local devices the slots split over (``mesh.make_mesh``; dispatch loop only)
     model_parallel: int = 1  # devices per model group: the LLM tensor-parallel over them
@@ -176,7 +176,7 @@ def make_mesh(options: RunOptions) -> Mesh | None:
         if m != 1:
             raise ValueError(f"model_parallel={m} needs as many devices at least (devices=1)")
         return None
-    if options.loop != "dispatch":
+    if options.loop == "resident":
         raise ValueError("a mesh (devices > 1) is served by the dispatch loop only")
     mesh = mesh_lib.make_mesh(options.devices, model_parallel=m if m > 1 else None)
     mesh_lib.check_slots(options.serve.slots, mesh)
@@ -326,10 +326,11 @@ def _run(options: RunOptions, stop: threading.Event | None) -> RunResult:
                     max_per_beat=options.rollovers_per_beat,
                 ),
                 on_ready=lambda: logging.info(
-                    "ready to serve %.1f s after the start (the model built in %.1f s, the tick "
-                    "compiled and warmed in %.1f s)",
+                    "ready to serve %.1f s after the start (the model built in %.1f s, the %s "
+                    "loop compiled and warmed in %.1f s)",
                     time.monotonic() - t0,
                     t_built - t_build,
+                    server.loop,
                     time.monotonic() - t_built,
                 ),
             )
