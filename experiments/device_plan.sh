@@ -36,46 +36,33 @@ slots=$((h200 ? 96 : 40))  # issue 33's target on an H200; what an H100 holds
 # queued: on an H100 at 40 slots it gave the same outputs 4 % slower (2026-12-06, 4f89c42)
 full="--hold_full=true --slots=$slots"
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
-  # issue 30: the resident loop at the target's count (cut off on 2026-12-05), to choose the
-  # default loop; then issue 33's tick and products, then the aims on the dispatch
-  # loop, whose pickup now copies one packed array.
+  # issue 30: the resident loop (the default on one device since fa8f3ea, chosen on H100s) at
+  # the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then issue 33's
+  # tick, then the aims (96 faithful, 128 bf16) on the default loop.
   cmds=("$cap --sessions=80 --policies=reference --loops=resident $log")
-  # issue 33: full-fp32 products in our own Triton kernel against cuBLAS at the tick's rows
-  fp32="python3 experiments/fp32_products/run.py --out=$R/fp32_products.jsonl --slots=$slots"
   # issue 30's host bound on the dispatch loop: the call's launches with XLA's default command
   # buffers, and with every kind of thunk the flag names in them, no minimum graph size
   dc="python3 experiments/dispatch_cost/run.py --model=voicechat_11b --context_frames=1500"
   dc="$dc --slots=16 --ticks=50 --out=$R/dispatch_cost.jsonl"
   graph="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL"
   graph="$graph --xla_gpu_graph_min_graph_size=1"
-  # issue 33 at the target's 96 slots: the reference tick, the products alone, and three TF32
-  # passes for the speech decoder and codec (on an H100 at 40 they paid only in the codec)
+  # issue 33 at the target's 96 slots: the reference tick (the products' candidates were
+  # measured on an H100 on 2026-12-06 and are not queued: three TF32 passes are less exact than
+  # full fp32 on the codec's shapes, our Triton fp32 kernel 0.45-0.76x cuBLAS; experiments/
+  # fp32_products)
   last=("$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
-    # the products alone: cuBLAS's full fp32 against our Triton kernel's (TF32 pairs were
-    # measured on an H100 on 2026-12-06: 5-9x less exact than full fp32, not queued again)
-    # the codec's products under three TF32 passes against full fp32, each against float64:
-    # the measurement that would let them stand in for the faithful ones
-    "$fp32 --shapes=codec --algorithms=float32,TF32_TF32_F32_X3 $log"
-    "$prof $full --policy=tf32x3_tts_codec --out_dir=/tmp/tp_x3_96 $log; $(keep_profile x3_96)"
-    # issue 30: the roll-over beats with the pack ahead of the lanes (b264dcd)
-    "$cap --sessions=96 --policies=reference --loops=dispatch $log"
-    "$fp32 --algorithms=float32,pallas_float32 $log"
+    "$cap --sessions=96 --policies=reference --loops=resident $log"
     "$dc --label=default $log"
     "XLA_FLAGS='$graph' $dc --label=whole_graph $log"
-    "$cap --sessions=128 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log"
+    "$cap --sessions=128 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log"
     # issue 33's second target (135 ms at 112), which the memory plan admits since 2710080
     "$prof --hold_full=true --slots=112 --out_dir=/tmp/tp_112 $log; $(keep_profile 112)")
-else  # an H100 (2026-12-05, d4d68c4: 48 faithful held; 2026-12-06, 0ced39c: 84 bf16 held, 52
-  # faithful did not compile, the autotuner short of memory: the plan keeps room for it since
-  # then and admits 51)
-  # issue 33 first (a few minutes, and it decides what the CPU work does next): the codec's
-  # products under three TF32 passes against full fp32, each against float64, at the H200's
-  # target rows (the error does not depend on the card's size: an H200 has the same tensor cores)
-  fp32="python3 experiments/fp32_products/run.py --out=$R/fp32_products.jsonl --slots=96"
-  cmds=("$fp32 --shapes=codec --algorithms=float32,TF32_TF32_F32_X3 $log")
-  # issue 30: the roll-over beats with the pack ahead of the lanes (b264dcd), then the loops
-  cmds+=("$cap --sessions=51 --policies=reference --loops=dispatch $log")
-  cmds+=("$cap --sessions=51 --policies=reference --loops=resident $log")
+else  # an H100 (2026-12-06: 84 bf16 held on the dispatch loop at 0ced39c; 51 faithful on both
+  # loops at 94d43d0, the resident one 13 ms lighter at p99)
+  # issue 30: the bf16 policy's count on the resident loop (the default), then the next
+  # count up on it
+  cmds=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
+  cmds+=("$cap --sessions=92 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()
 fi
 cmds+=("${last[@]}")
