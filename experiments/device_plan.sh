@@ -30,10 +30,6 @@ prof="XLA_FLAGS=$unbuffered $profile"
 keep_profile() {  # the profile's rows and table, appended to one file each (rows name the run)
   echo "cat /tmp/tp_$1/rows.jsonl >> $R/tick_profile.jsonl; cat /tmp/tp_$1/table.md >> $R/tick_profile.md"
 }
-# the codec's products under six bf16 passes against full fp32, each against float64, at the
-# H200 target's 96 slots: whether they may stand in for the faithful codec's products
-codec_x6="python3 experiments/fp32_products/run.py --out=$R/fp32_products.jsonl --slots=96"
-codec_x6="$codec_x6 --shapes=codec --algorithms=float32,BF16_BF16_F32_X6"
 h200=$((mem > 100000))
 slots=$((h200 ? 96 : 40))  # issue 33's target on an H200; what an H100 holds
 # every cache held full (issue 33's setting); the streamed codec (--codec_stream) is not
@@ -44,9 +40,6 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
   # the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then issue 33's
   # tick, then the aims (96 faithful, 128 bf16) on the default loop.
   cmds=("$cap --sessions=80 --policies=reference --loops=resident $log")
-  # issue 33: six bf16 passes (more exact than full fp32 on the speech decoder's shapes on an
-  # H100, 2026-12-05) on the codec's shapes, where three TF32 passes were not (2026-12-06)
-  cmds+=("$codec_x6 $log")
   # issue 30's host bound on the dispatch loop: the call's launches with XLA's default command
   # buffers, and with every kind of thunk the flag names in them, no minimum graph size
   dc="python3 experiments/dispatch_cost/run.py --model=voicechat_11b --context_frames=1500"
@@ -68,8 +61,7 @@ else  # an H100 (2026-12-06: 84 bf16 held on the dispatch loop at 0ced39c; 51 fa
   # loops at 94d43d0, the resident one 13 ms lighter at p99)
   # issue 30: the bf16 policy's count on the resident loop (the default), then the next
   # count up on it
-  cmds=("$codec_x6 $log")  # issue 33, a few minutes: as on an H200 (the error is the card's kind's)
-  cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
+  cmds=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   cmds+=("$cap --sessions=92 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()
 fi
