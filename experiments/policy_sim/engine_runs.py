@@ -58,6 +58,7 @@ def serve(
     server = Server(
         engine,
         clock=clock,
+        loop="dispatch",  # the loop every committed row of these experiments was measured on
         warmup_ticks=warmup_ticks,
         scheduler=scheduler,
         keep_outputs=False,
