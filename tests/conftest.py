@@ -119,37 +119,42 @@ GROUPS = {
     # the same four 3-slot, 8-frame configurations, staged and one-program
     "staged": ("test_staged_tick.py", "test_slot_rule.py"),
 }
-# Seconds of each unit (a group, or a file of no group) in one worker of the cold run of
-# 2026-12-06 (144f833); a file not named here counts as 0 and runs after those that are.
+# Seconds of each unit (a group, or a file of no group) in one worker of a cold run of
+# 2026-12-06 (the per-test durations of `--durations=0`, summed; the tests of dbb6751); a file
+# not named here counts as 0 and runs after those that are. Longest first on two workers, that
+# run's workers took 440 and 441 s of tests: 463.0 s in all, where one run of the same tests
+# with test_fleet.py held to the end took 505.1 s.
 UNIT_SECONDS = {
-    "nemo": 250,  # 194 for its first five files, and the NeMo modules' tests
-    "test_serve_cli.py": 156,  # voicechat-serve subprocesses, one on the real-time clock
-    "engine": 140,
-    "test_conversation_memory.py": 69,  # the four-minute call
-    "test_net.py": 60,  # and the browser call where Chromium is installed
-    "test_decode_attention.py": 52,
-    "staged": 40,
-    "test_realtime_ga.py": 30,
-    "test_scheduler.py": 29,
-    "test_precision.py": 24,
-    "test_policy_sim.py": 22,
-    "test_mha_decode_attention.py": 19,
-    "test_probe.py": 18,
-    "test_gemma.py": 17,
-    "test_memory.py": 16,
-    "test_rollover.py": 12,
-    "test_pallas_matmul.py": 12,
-    "test_pallas_mamba_step.py": 11,
-    "test_nano.py": 11,
-    "test_pallas_ssm_step.py": 11,
-    "test_stream_overlap.py": 6,
+    "nemo": 203,  # its first five files, and the NeMo modules' tests
+    "test_serve_cli.py": 132,  # voicechat-serve runs, in this process and as subprocesses
+    "engine": 102,
+    "test_conversation_memory.py": 68,  # the four-minute call
+    "test_net.py": 62,  # and the browser call where Chromium is installed
+    # three voicechat-serve subprocesses behind HAProxy (where it is installed): about 36 s
+    # with their programs in the shared cache (test_serve_cli.py's runs, longest first, put
+    # them there), 87 s when they compiled them beside the other worker (2026-12-06)
+    "test_fleet.py": 36,
+    "test_scheduler.py": 25,
+    "test_decode_attention.py": 28,
+    "test_realtime_ga.py": 25,
+    "staged": 22,
+    "test_policy_sim.py": 17,
+    "test_mha_decode_attention.py": 16,
+    "test_probe.py": 15,
+    "test_precision.py": 16,
+    "test_memory.py": 14,
+    "test_pallas_mamba_step.py": 15,
+    "test_nano.py": 18,
+    "test_pallas_ssm_step.py": 10,
+    "test_gemma.py": 12,
+    "test_rollover.py": 10,
+    "test_pallas_matmul.py": 6,
     "test_admission_sim.py": 6,
-    "test_tick_profile.py": 5,
+    "test_serving_host.py": 4,
+    "test_stream_overlap.py": 3,
+    "test_device_queue.py": 4,
+    "test_tick_profile.py": 3,
 }
-# Last: three voicechat-serve subprocesses behind HAProxy (where it is installed), whose first
-# start compiles the default programs unless test_serve_cli.py's runs have cached them; run beside
-# the other worker's compiles it took 87 s against 38 s at the end (2026-12-06).
-LAST = ("test_fleet.py",)
 _GROUP_OF = {name: group for group, names in GROUPS.items() for name in names}
 
 
@@ -161,7 +166,7 @@ def _unit(file_name: str) -> str:
 def pytest_collection_modifyitems(items):
     def key(item):
         unit = _unit(item.path.name)
-        return unit in LAST, -UNIT_SECONDS.get(unit, 0), unit
+        return -UNIT_SECONDS.get(unit, 0), unit
 
     items.sort(key=key)  # stable: the files of a unit, and the tests of a file, keep their order
 
