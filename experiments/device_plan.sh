@@ -32,6 +32,15 @@ keep_profile() {  # the profile's rows and table, appended to one file each (row
 }
 h200=$((mem > 100000))
 slots=$((h200 ? 96 : 40))  # issue 33's target on an H200; what an H100 holds
+# issue 33's one lever left for the codec (its products cannot be shortened faithfully:
+# experiments/fp32_products, 2026-12-06): whether XLA runs it beside the speech decoder's
+# memory-bound step on a second stream at all, without the flag, with it, and with it and no
+# CUDA graphs (the tick's kernels run in command buffers, which may keep one stream's order)
+so="python3 experiments/stream_overlap/run.py --out=$R/stream_overlap.jsonl --slots=$slots"
+annotate="--xla_gpu_experimental_stream_annotation=true"
+overlap=("$so --label=default $log"
+  "XLA_FLAGS=$annotate $so --label=stream_annotation $log"
+  "XLA_FLAGS='$annotate --xla_gpu_enable_command_buffer=' $so --label=annotation_no_graphs $log")
 # every cache held full (issue 33's setting); the streamed codec (--codec_stream) is not
 # queued: on an H100 at 40 slots it gave the same outputs 4 % slower (2026-12-06, 4f89c42)
 full="--hold_full=true --slots=$slots"
@@ -51,6 +60,7 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
   # full fp32 on the codec's shapes, our Triton fp32 kernel 0.45-0.76x cuBLAS; experiments/
   # fp32_products)
   last=("$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
+    "${overlap[@]}"
     "$cap --sessions=96 --policies=reference --loops=resident $log"
     "$dc --label=default $log"
     "XLA_FLAGS='$graph' $dc --label=whole_graph $log"
@@ -61,7 +71,8 @@ else  # an H100 (2026-12-06: 84 bf16 held on the dispatch loop at 0ced39c; 51 fa
   # loops at 94d43d0, the resident one 13 ms lighter at p99)
   # issue 30: the bf16 policy's count on the resident loop (the default), then the next
   # count up on it
-  cmds=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
+  cmds=("${overlap[@]}")  # issue 33, a few minutes
+  cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   cmds+=("$cap --sessions=92 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()
 fi
