@@ -647,9 +647,10 @@ def test_serve_listen_drains_on_sigterm(tmp_path):
     events and the process exits 0 within the drain bound."""
     out = tmp_path / "out"
     log = (tmp_path / "stdout.txt").open("w"), (tmp_path / "stderr.txt").open("w")
+    # the default loop, as a user's server runs: live calls on the resident loop
     cmd = [
         sys.executable, "-m", "voicechat_jax.cli.serve", "--listen=127.0.0.1:0", "--slots=2",
-        "--context_frames=24", "--at_cap=rollover", "--loop=dispatch", f"--output_dir={out}",
+        "--context_frames=24", "--at_cap=rollover", f"--output_dir={out}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, stdout=log[0], stderr=log[1], text=True, env=env)
@@ -689,6 +690,7 @@ def test_serve_listen_drains_on_sigterm(tmp_path):
     stderr = (tmp_path / "stderr.txt").read_text()
     assert rc == 0, stderr[-3000:]
     assert "Traceback" not in stderr
+    assert "the resident loop compiled and warmed" in stderr
     assert closed_s < 5.0
     for c in (a, b):
         assert "server_shutting_down" in c.errors()
