@@ -31,7 +31,7 @@ from voicechat_jax.serving import outdir
 from voicechat_jax.serving import scheduler as scheduler_lib
 from voicechat_jax.serving.memory import RolloverPolicy
 from voicechat_jax.serving.report import format_table
-from voicechat_jax.serving.server import Engine, Server, SessionPlan
+from voicechat_jax.serving.server import Engine, Server, SessionPlan, pick_loop
 
 DEFAULT_WAV = os.path.join(os.path.dirname(__file__), "..", "assets", "speech_16k.wav")
 
@@ -176,8 +176,7 @@ def make_mesh(options: RunOptions) -> Mesh | None:
         if m != 1:
             raise ValueError(f"model_parallel={m} needs as many devices at least (devices=1)")
         return None
-    if options.loop == "resident":
-        raise ValueError("a mesh (devices > 1) is served by the dispatch loop only")
+    pick_loop(options.loop, mesh=True, buckets=False)  # the server's rule, before anything is built
     mesh = mesh_lib.make_mesh(options.devices, model_parallel=m if m > 1 else None)
     mesh_lib.check_slots(options.serve.slots, mesh)
     return mesh
