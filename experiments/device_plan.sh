@@ -44,17 +44,19 @@ overlap=("$so --label=default $log"
 # every cache held full (issue 33's setting); the streamed codec (--codec_stream) is not
 # queued: on an H100 at 40 slots it gave the same outputs 4 % slower (2026-12-06, 4f89c42)
 full="--hold_full=true --slots=$slots"
+# issue 30's host bound on the dispatch loop (a host cost: either card measures it): the call's
+# launches with XLA's default command buffers, and with every kind of thunk the flag names in
+# them, no minimum graph size
+dc="python3 experiments/dispatch_cost/run.py --model=voicechat_11b --context_frames=1500"
+dc="$dc --slots=16 --ticks=50 --out=$R/dispatch_cost.jsonl"
+graph="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL"
+graph="$graph --xla_gpu_graph_min_graph_size=1"
+dispatch=("$dc --label=default $log" "XLA_FLAGS='$graph' $dc --label=whole_graph $log")
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
   # issue 30: the resident loop (the default on one device since fa8f3ea, chosen on H100s) at
   # the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then issue 33's
   # tick, then the aims (96 faithful, 128 bf16) on the default loop.
   cmds=("$cap --sessions=80 --policies=reference --loops=resident $log")
-  # issue 30's host bound on the dispatch loop: the call's launches with XLA's default command
-  # buffers, and with every kind of thunk the flag names in them, no minimum graph size
-  dc="python3 experiments/dispatch_cost/run.py --model=voicechat_11b --context_frames=1500"
-  dc="$dc --slots=16 --ticks=50 --out=$R/dispatch_cost.jsonl"
-  graph="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL"
-  graph="$graph --xla_gpu_graph_min_graph_size=1"
   # issue 33 at the target's 96 slots: the reference tick (the products' candidates were
   # measured on an H100 on 2026-12-06 and are not queued: three TF32 passes are less exact than
   # full fp32 on the codec's shapes, our Triton fp32 kernel 0.45-0.76x cuBLAS; experiments/
@@ -62,16 +64,15 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
   last=("$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
     "${overlap[@]}"
     "$cap --sessions=96 --policies=reference --loops=resident $log"
-    "$dc --label=default $log"
-    "XLA_FLAGS='$graph' $dc --label=whole_graph $log"
+    "${dispatch[@]}"
     "$cap --sessions=128 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log"
     # issue 33's second target (135 ms at 112), which the memory plan admits since 2710080
     "$prof --hold_full=true --slots=112 --out_dir=/tmp/tp_112 $log; $(keep_profile 112)")
 else  # an H100 (2026-12-06: 84 bf16 held on the dispatch loop at 0ced39c; 51 faithful on both
   # loops at 94d43d0, the resident one 13 ms lighter at p99)
-  # issue 30: the bf16 policy's count on the resident loop (the default), then the next
-  # count up on it
-  cmds=("${overlap[@]}")  # issue 33, a few minutes
+  # issue 30's dispatch-loop host bound (open on any card), issue 33's stream overlap (a few
+  # minutes), then the bf16 policy's count on the resident loop (the default) and the next one up
+  cmds=("${dispatch[@]}" "${overlap[@]}")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   cmds+=("$cap --sessions=92 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()
