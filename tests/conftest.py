@@ -88,8 +88,10 @@ def test_audio() -> np.ndarray:
     return (0.2 * envelope * sweep + 0.02 * rng.standard_normal(n)).astype(np.float32)
 
 
-# How the files are spread over the two pytest-xdist workers (pyproject.toml: ``-n 2 --dist
-# loadfile``). A worker takes the next unit of work when it is nearly out of tests, so the longest
+# How the files are spread over the three pytest-xdist workers (pyproject.toml: ``-n 3 --dist
+# loadfile``; three on the 2-core machine, since the tests wait on real-time clocks, subprocesses
+# and sockets part of the time: a cold run of 2026-12-06 took 381.0 s with three workers, 690 s of user
+# CPU, 194 % of a core; two workers took 459.6-505.1 s, 765 s of user CPU in the 459.6 s run). A worker takes the next unit of work when it is nearly out of tests, so the longest
 # units go first and the short ones fill the end. pytest-xdist 3.8 reorders its queue by the
 # number of tests in a file (a 99-test file of table checks first, test_fleet.py's 38 s last, one
 # worker idle meanwhile: the cold run of 2026-12-06, 144f833), so the suite brings its own
@@ -123,7 +125,8 @@ GROUPS = {
 # 2026-12-06 (the per-test durations of `--durations=0`, summed; the tests of dbb6751); a file
 # not named here counts as 0 and runs after those that are. Longest first on two workers, that
 # run's workers took 440 and 441 s of tests: 463.0 s in all, where one run of the same tests
-# with test_fleet.py held to the end took 505.1 s.
+# with test_fleet.py held to the end took 505.1 s. On three workers the "nemo" group, the
+# longest unit, takes one worker while the other two share the rest.
 UNIT_SECONDS = {
     "nemo": 203,  # its first five files, and the NeMo modules' tests
     "test_serve_cli.py": 132,  # voicechat-serve runs, in this process and as subprocesses
