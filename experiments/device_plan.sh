@@ -32,26 +32,12 @@ keep_profile() {  # the profile's rows and table, appended to one file each (row
 }
 h200=$((mem > 100000))
 slots=$((h200 ? 96 : 40))  # issue 33's target on an H200; what an H100 holds
-# issue 33's one lever left for the codec (its products cannot be shortened faithfully:
-# experiments/fp32_products, 2026-12-06): whether XLA runs it beside the speech decoder's
-# memory-bound step on a second stream at all, without the flag, with it, and with it and no
-# CUDA graphs (the tick's kernels run in command buffers, which may keep one stream's order)
-so="python3 experiments/stream_overlap/run.py --out=$R/stream_overlap.jsonl --slots=$slots"
-annotate="--xla_gpu_experimental_stream_annotation=true"
-overlap=("$so --label=default $log"
-  "XLA_FLAGS=$annotate $so --label=stream_annotation $log"
-  "XLA_FLAGS='$annotate --xla_gpu_enable_command_buffer=' $so --label=annotation_no_graphs $log")
+# Measured out on an H100 on 2026-12-06 (1f16f00) and no longer queued: XLA's stream annotation
+# hides nothing of the codec beside the speech decoder (experiments/stream_overlap), and
+# whole-graph command buffers do not shorten the dispatch loop's call (experiments/dispatch_cost).
 # every cache held full (issue 33's setting); the streamed codec (--codec_stream) is not
 # queued: on an H100 at 40 slots it gave the same outputs 4 % slower (2026-12-06, 4f89c42)
 full="--hold_full=true --slots=$slots"
-# issue 30's host bound on the dispatch loop (a host cost: either card measures it): the call's
-# launches with XLA's default command buffers, and with every kind of thunk the flag names in
-# them, no minimum graph size
-dc="python3 experiments/dispatch_cost/run.py --model=voicechat_11b --context_frames=1500"
-dc="$dc --slots=16 --ticks=50 --out=$R/dispatch_cost.jsonl"
-graph="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL"
-graph="$graph --xla_gpu_graph_min_graph_size=1"
-dispatch=("$dc --label=default $log" "XLA_FLAGS='$graph' $dc --label=whole_graph $log")
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
   # issue 30: the resident loop (the default on one device since fa8f3ea, chosen on H100s) at
   # the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then issue 33's
@@ -62,18 +48,15 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
   # full fp32 on the codec's shapes, our Triton fp32 kernel 0.45-0.76x cuBLAS; experiments/
   # fp32_products)
   last=("$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
-    "${overlap[@]}"
     "$cap --sessions=96 --policies=reference --loops=resident $log"
-    "${dispatch[@]}"
     "$cap --sessions=128 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log"
     # issue 33's second target (135 ms at 112), which the memory plan admits since 2710080
     "$prof --hold_full=true --slots=112 --out_dir=/tmp/tp_112 $log; $(keep_profile 112)")
 else  # an H100 (2026-12-06: 84 bf16 held on the dispatch loop at 0ced39c; 51 faithful on both
   # loops at 94d43d0, the resident one 13 ms lighter at p99)
-  # issue 30's dispatch-loop host bound (open on any card), issue 33's stream overlap (a few
-  # minutes), then the bf16 policy's count on the resident loop (the default) and the next one up
-  cmds=("${dispatch[@]}" "${overlap[@]}")
-  cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
+  # the bf16 policy's count on the resident loop (the default; its compile took 195 s at 84
+  # slots, 2026-12-06), then the next one up
+  cmds=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   cmds+=("$cap --sessions=92 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()
 fi

@@ -89,9 +89,10 @@ def test_audio() -> np.ndarray:
 
 
 # How the files are spread over the three pytest-xdist workers (pyproject.toml: ``-n 3 --dist
-# loadfile``; three on the 2-core machine, since the tests wait on real-time clocks, subprocesses
-# and sockets part of the time: a cold run of 2026-12-06 took 381.0 s with three workers, 690 s of user
-# CPU, 194 % of a core; two workers took 459.6-505.1 s, 765 s of user CPU in the 459.6 s run). A worker takes the next unit of work when it is nearly out of tests, so the longest
+# loadfile``). Three on the 2-core machine, since the tests wait on real-time clocks,
+# subprocesses and sockets part of the time: a cold run of 2026-12-06 took 381.0 s with three
+# workers (690 s of user CPU, 194 % of a core); two took 459.6-505.1 s (765 s of user CPU in the
+# 459.6 s run). A worker takes the next unit of work when it is nearly out of tests, so the longest
 # units go first and the short ones fill the end. pytest-xdist 3.8 reorders its queue by the
 # number of tests in a file (a 99-test file of table checks first, test_fleet.py's 38 s last, one
 # worker idle meanwhile: the cold run of 2026-12-06, 144f833), so the suite brings its own
