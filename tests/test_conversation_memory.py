@@ -416,7 +416,7 @@ def test_cli_at_cap_memory_runs(tmp_path):
         "--slots=1",
         "--seconds=5",
         "--clock=offline",  # the default precision: its programs are in the tests' shared cache
-        "--loop=dispatch",  # (the resident loop, with host callbacks, is never in that cache)
+        "--loop=dispatch",  # (the resident loop of this size is kept by no other test)
         f"--output_dir={out}",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -19,6 +19,7 @@ import pytest
 
 from tests import shared
 from tests.test_staged_tick import mirror_agrees
+from voicechat_jax import callback_cache
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import Kernels, ServeConfig, tiny
@@ -160,15 +161,23 @@ def test_bad_input_fails_only_that_session(engine):
         _same(_out(with_bad, p.id), _out(alone, p.id))
 
 
-def test_resident_equals_dispatch(engine):
+def test_resident_equals_dispatch_and_loads_in_a_new_engine(params, engine):
+    """The two loops serve the same frames; and the resident loop, kept beside the suite's
+    compilation cache (``callback_cache``), loads in a second engine of the configuration (a new
+    process's, in effect) instead of compiling, bound to that engine's server's callbacks."""
     plans = [
         SessionPlan(id="r0", audio=_speech(2, 20)),
         SessionPlan(id="r1", audio=_speech(2, 21), join=2, leave=6),
     ]
     resident = _serve(engine, plans, 8, loop="resident")
     dispatch = _serve(engine, plans, 8, loop="dispatch")
+    before = callback_cache.stats()
+    fresh = Engine(params, CFG, engine.serve, template=shared.template(engine.serve))
+    loaded = _serve(fresh, plans, 8, loop="resident")
+    assert callback_cache.stats()["loaded"] == before["loaded"] + 1
     for p in plans:
         _same(_out(resident, p.id), _out(dispatch, p.id))
+        _same(_out(resident, p.id), _out(loaded, p.id))
 
 
 def test_resident_warm_up_runs_one_iteration_aside_from_the_host(engine):

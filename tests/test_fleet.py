@@ -114,7 +114,7 @@ class Fleet:
             cmd = [
                 sys.executable, "-m", "voicechat_jax.cli.serve", "--listen=127.0.0.1:0",
                 f"--slots={SLOTS}", f"--output_dir={out}", "--drain_timeout_s=30",
-                "--loop=dispatch",  # its programs cached: the resident loop compiles every start
+                "--loop=dispatch",  # its programs in the suite's cache from other tests
             ]  # fmt: skip
             with (self.root / f"{name}.log").open("w") as log:
                 self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -27,6 +28,7 @@ from absl import logging
 from jax.sharding import Mesh
 
 from voicechat_jax import buckets as buckets_lib
+from voicechat_jax import callback_cache
 from voicechat_jax import mesh as mesh_lib
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
@@ -679,9 +681,10 @@ class Engine:
         It is compiled once per engine: the loop's io_callbacks call whichever ``next_beat`` and
         ``deliver`` the latest call gave (one run at a time drives an engine), so a second run
         on the same engine (a server run again, a test) does not compile it again. A program
-        with host callbacks is not kept by JAX's persistent compilation cache, so this is the
-        only reuse it gets. While ``warm_resident`` runs it, the callbacks are not called: the
-        loop runs the warm-up beats, its output dropped, and stops.
+        with host callbacks is not kept by JAX's persistent compilation cache; where that cache
+        is on, ``callback_cache`` keeps this one beside it, so that the next process loads it
+        (bound to that process's callbacks). While ``warm_resident`` runs it, the callbacks are
+        not called: the loop runs the warm-up beats, its output dropped, and stops.
         """
         if self.mesh is not None:
             raise ValueError(
@@ -716,7 +719,8 @@ class Engine:
             self.cfg, self.serve, next_or_stop, deliver_unless_warming, self.kernels
         )
         args = (self.params, self.state, self.template, self.empty_beat(), self.empty_masks())
-        compiled = fn.lower(*args).compile()
+        with callback_cache.kept(_callback_cache_dir()):
+            compiled = fn.lower(*args).compile()
         self.compile_s = time.perf_counter() - t
         _log_compiled("resident loop", compiled, self.memory)
         self._resident = compiled
@@ -751,6 +755,12 @@ class Engine:
 
 
 _pack_output = jax.jit(state_lib.pack_output)
+
+
+def _callback_cache_dir() -> str | None:
+    """Where the resident loop is kept: beside JAX's persistent cache, when that is on."""
+    root = jax.config.jax_compilation_cache_dir
+    return os.path.join(root, "host_callbacks") if root else None
 
 
 def _log_compiled(name: str, compiled, plan: MemoryPlan) -> None:
