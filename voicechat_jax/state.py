@@ -24,6 +24,8 @@ arrays that cross between host and device per beat.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,11 +153,15 @@ def masks_of(beat: BeatInput) -> SlotMasks:
     )
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def from_template(template: voicechat.FrameState, slots: int) -> SessionState:
-    """All ``slots`` slots holding the fresh-session template, none active."""
-    model = jax.tree_util.tree_map(
-        lambda x: jnp.broadcast_to(x, (slots, *x.shape[1:])).copy(), template
-    )
+    """All ``slots`` slots holding the fresh-session template, none active.
+
+    One program per template layout and slot count: op by op, each leaf's broadcast and copy
+    compiled on its own, some 600 small programs over a suite run (2026-12-06), each too quick
+    for the persistent cache to keep, so every process compiled them again.
+    """
+    model = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (slots, *x.shape[1:])), template)
     return SessionState(
         model=model,
         active=jnp.zeros((slots,), bool),
