@@ -28,6 +28,7 @@ import os
 import shutil
 
 import jax
+import numpy as np
 import pytest
 
 from voicechat_jax import precision as precision_lib
@@ -64,7 +65,26 @@ def params(precision: precision_lib.Precision | str = "fp32") -> voicechat.Model
 
 @functools.cache
 def _params(precision: precision_lib.Precision) -> voicechat.ModelParams:
-    return jax.block_until_ready(voicechat.init_compiled(jax.random.key(0), CFG, precision))
+    """fp32: ``init_compiled``. Any other policy: the fp32 params cast to its dtypes, in one
+    program instead of five inits: ``init`` draws every weight in fp32 and casts it
+    (``common.normal``), so the cast is the policy's own init bit for bit (every policy checked
+    on 2026-12-06), at a fifth of the compiles. A policy whose tree differs gets its own init."""
+    fp32 = precision_lib.Precision.fp32()
+    if precision == fp32:
+        return jax.block_until_ready(voicechat.init_compiled(jax.random.key(0), CFG, fp32))
+    base, want = _params(fp32), voicechat.abstract(CFG, precision)
+    if jax.tree_util.tree_structure(base) != jax.tree_util.tree_structure(want):
+        return jax.block_until_ready(voicechat.init_compiled(jax.random.key(0), CFG, precision))
+    dtypes = tuple(np.dtype(x.dtype) for x in jax.tree_util.tree_leaves(want))
+    return jax.block_until_ready(_cast(base, dtypes))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(params, dtypes: tuple):
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    return jax.tree_util.tree_unflatten(
+        treedef, [x.astype(d) for x, d in zip(leaves, dtypes, strict=True)]
+    )
 
 
 def template(serve: ServeConfig):
