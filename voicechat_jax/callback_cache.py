@@ -84,11 +84,11 @@ def _compile_or_load(*args, **kwargs):
     try:
         a = _jax_signature.bind(*args, **kwargs).arguments
         callbacks = a["host_callbacks"]
+        backend, devices, options = a["backend"], a["executable_devices"], a["compile_options"]
     except (TypeError, KeyError):  # a JAX whose compile takes other arguments
         callbacks = None
     if directory is None or not callbacks:
         return _jax_compile(*args, **kwargs)
-    backend, devices, options = a["backend"], a["executable_devices"], a["compile_options"]
     try:
         key = compilation_cache.get_cache_key(a["computation"], a["devices"], options, backend)
     except Exception as e:  # a key JAX cannot make: compile, keep nothing
