@@ -391,8 +391,8 @@ def _admission_run(serve_main, tmp_path, loop: str, *flags: str) -> tuple[pathli
 def test_max_live_refuses_past_the_threshold_at_once(serve_main, tmp_path, loop):
     """``--max_live=1`` on 2 slots, no queue: the sessions past the first are refused at tick 0
     (a slot stays empty), and the run still exits 0 (a refusal is not a failure); on either
-    loop."""
-    out, table = _admission_run(serve_main, tmp_path, loop, "--seconds=0.8")
+    loop. The 4-frame cap is the queue test's below: one compiled configuration for both."""
+    out, table = _admission_run(serve_main, tmp_path, loop, "--context_frames=4", "--seconds=0.8")
     assert table["sessions refused"] == "2"
     assert table["sessions queued (beats waited)"] == "0 (0)"
     failures = json.loads((out / "sessions.json").read_text())["failures"]
@@ -405,7 +405,7 @@ def test_max_live_refuses_past_the_threshold_at_once(serve_main, tmp_path, loop)
     assert rows[-1]["admission"] == {
         "max_live": 1, "queue_beats": 0, "queued": 0, "waited_beats": 0
     }  # fmt: skip
-    assert _session_frames(out / "s000") == (10, 10)
+    assert _session_frames(out / "s000") == (4, 4)  # ended at its cap
     assert not (out / "s001").exists()
 
 
