@@ -452,6 +452,7 @@ class TestLive:
         m = live.metrics()
         assert m['voicechat_net_errors_total{"code": "input_audio_buffer_overflow"}'] >= 1
         assert m["voicechat_input_dropped_samples_total"] > 0
+        assert "voicechat_input_skipped_samples_total" in m
 
     def test_load_client_fills_the_server_and_n_plus_one_is_refused(self, live, tmp_path):
         rows = tmp_path / "load.jsonl"

@@ -14,8 +14,11 @@ session (docs/serving.md §2; §5, gates 4 and 6):
   filled with silence, up to the backlog bound below.
 - Never a burst: at most one beat leaves a queue per tick, however much is queued.
 - Backlog bound: a queue holds at most ``max_backlog_beats`` beats; beyond that the oldest samples
-  are dropped and counted. A client that sends too fast (or a server that fell behind) costs
-  bounded memory and bounded added delay.
+  are dropped and counted (``dropped_samples``). A client that sends too fast costs bounded memory
+  and bounded added delay.
+- Skipped ticks: the input of a tick the server skipped (its own lateness) is discarded and counted
+  apart (``skipped_samples``), so that a client is never told it sent too fast for the server's
+  fault.
 - Bad input fails its session alone: the session is marked failed with the error's message, its
   queue is emptied, it is fed silence (not counted as underruns) until the engine releases it; every
   other queue is untouched.
@@ -57,7 +60,8 @@ class Session:
     admitted_tick: int
     source: str = ""  # where its input comes from, e.g. "file:speech_16k.wav", "ws:10.0.0.7"
     underruns: int = 0  # ticks whose beat was not (fully) there at the tick start
-    dropped_samples: int = 0  # input dropped by the backlog bound or skipped ticks
+    dropped_samples: int = 0  # input dropped by the backlog bound (sent faster than real time)
+    skipped_samples: int = 0  # input of ticks the server skipped (the server's lateness)
     failure: str | None = None  # why it failed (bad input, vanished client), None while healthy
     released_tick: int | None = None
 
@@ -322,6 +326,7 @@ class InputQueues:
         self._lock = threading.Lock()
         self.underruns = 0
         self.dropped_samples = 0
+        self.skipped_samples = 0
 
     def open(self, session: Session) -> None:
         """Starts a queue for ``session``; its counters are kept in the record itself."""
@@ -413,7 +418,9 @@ class InputQueues:
         """Drops up to ``n`` beats from every queue: the input of ticks the server skipped."""
         with self._lock:
             for inbox in self._inboxes.values():
-                self._drop(inbox, n * self.samples_per_beat)
+                skipped = inbox.drop_oldest(n * self.samples_per_beat)
+                inbox.session.skipped_samples += skipped
+                self.skipped_samples += skipped
 
     def _inbox(self, session_id: SessionId) -> _Inbox:
         inbox = self._inboxes.get(session_id)

@@ -960,3 +960,8 @@ class _FrontCollector:
             "Input samples dropped by the backlog bound (audio faster than real time).",
             f.server.queues.dropped_samples,
         )
+        yield CounterMetricFamily(
+            "voicechat_input_skipped_samples",
+            "Input samples of ticks the server skipped (its own lateness, not the client's pace).",
+            f.server.queues.skipped_samples,
+        )
