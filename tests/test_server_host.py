@@ -10,6 +10,7 @@ import gc
 import io
 import json
 import pathlib
+import threading
 import time
 import tracemalloc
 import wave
@@ -21,6 +22,7 @@ from tests import shared
 from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import GcMonitor, read_wav
+from voicechat_jax.serving.hub import Join
 from voicechat_jax.serving.server import (
     Engine,
     Server,
@@ -204,6 +206,48 @@ def test_skipped_tick_attributed_to_the_host(engine):
     summary = server.metrics.summary()
     assert summary["skipped_by_cause"]["host"] >= 1
     assert summary["missed_by_cause"]["host"] >= 1
+
+
+@pytest.mark.parametrize("loop", ["dispatch", "resident"])
+def test_idle_server_runs_no_tick_and_wakes_for_a_request(engine, loop):
+    """Real time, nothing live past the warm-up: no tick runs (idle, neither run nor missed)
+    until a scripted session's tick; after it leaves, none until a request through the hub,
+    which is admitted at the next beat. The scripted session's output is the one it gets
+    from a server that never idled (offline, joining at once)."""
+    engine.reset()
+    probe = Probe()
+    asked = {}
+
+    def on_tick(row):
+        if row["tick"] == 12:  # the scripted session's release beat: idle from 13 on
+            threading.Timer(0.5, ask).start()
+
+    def ask():
+        asked["at"] = time.monotonic()
+        asked["slot"] = server.hub.admit(Join("w"))
+
+    probe.on_tick = on_tick
+    server = Server(engine, clock="realtime", loop=loop, warmup_ticks=2, metrics_sink=probe)
+    server.run([SessionPlan(id="s", audio=_speech(1, 3), join=6, leave=12)], 30)
+    ran = sorted(probe.ticks())
+    assert ran[:2] == [0, 1]  # the warm-up runs
+    assert ran[2:8] == list(range(6, 12))  # idle until the scripted join, then its beats
+    assert ran[8] == 12  # its release, then idle again
+    woke = ran[9]  # the request's beat: its start the first after the request
+    start = server.clock.tick_start(woke)
+    assert asked["slot"].result(timeout=1) == 0
+    assert 0 <= start - asked["at"] <= server.clock.period_s
+    assert ran[9:] == list(range(woke, 30))  # the new session is live to the end
+    summary = server.metrics.summary()
+    assert summary["idle_ticks"] == (6 - 2) + (woke - 13) == 30 - len(ran)
+    assert summary["missed_ticks"] == 0 == summary["ticks_skipped"]
+    engine.reset()
+    offline = Server(engine, clock="offline", loop="dispatch", warmup_ticks=0)
+    offline.run([SessionPlan(id="s", audio=_speech(1, 3), join=0, leave=6)], 6)
+    for k in ("text", "function", "codes", "wav"):
+        np.testing.assert_array_equal(
+            server.logs["s"].arrays()[k], offline.logs["s"].arrays()[k], err_msg=k
+        )
 
 
 class _SlowDevice:

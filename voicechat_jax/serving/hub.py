@@ -120,6 +120,14 @@ class ScriptedSessions:
         return [Leave(p.id) for p in self._by_leave.pop(tick, ())
                 if p.id in self._live or p.id in self._plans]  # fmt: skip
 
+    def quiet(self, tick: int) -> bool:
+        """No plan is live, asking for a slot, or due to join at or before ``tick``."""
+        return not (self._live or self._plans or any(t <= tick for t in self._by_join))
+
+    def next_join(self) -> int | None:
+        """The tick of the next plan to join (None: none left)."""
+        return min(self._by_join, default=None)
+
     def joins(self, tick: int) -> list[Join]:
         plans = self._by_join.pop(tick, ())
         for plan in plans:
@@ -201,6 +209,7 @@ class SessionHub:
         self.id_prefix = id_prefix
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._asked = threading.Condition(self._lock)  # a request came (``wait_for_request``)
         self._pending: collections.OrderedDict[
             SessionId, tuple[Join, concurrent.futures.Future]
         ] = collections.OrderedDict()
@@ -227,6 +236,7 @@ class SessionHub:
             if join.id in self._pending or join.id in self._live:
                 raise ValueError(f"session {join.id!r} is already admitted or waiting")
             self._pending[join.id] = (join, future)
+            self._asked.notify_all()
         return future
 
     def release(self, session: SessionId, why: str = "left", detail: str = "left") -> None:
@@ -236,6 +246,7 @@ class SessionHub:
             if waiting is None:
                 if session in self._live or session in self._answering:
                     self._releases.append(Leave(session, why, detail))
+                    self._asked.notify_all()
                 return
         waiting[1].cancel()
 
@@ -253,6 +264,7 @@ class SessionHub:
             self._closed = reason
             waiting = list(self._pending.values())
             self._pending.clear()
+            self._asked.notify_all()
         for _, future in waiting:
             if future.set_running_or_notify_cancel():
                 future.set_exception(HubClosedError(reason))
@@ -269,6 +281,20 @@ class SessionHub:
     def waiting(self) -> int:
         with self._lock:
             return len(self._pending)
+
+    def asked(self) -> bool:
+        """Whether a request waits for the next beat: a session asking for a slot, a release."""
+        with self._lock:
+            return bool(self._pending or self._releases)
+
+    def wait_for_request(self, timeout: float) -> bool:
+        """Blocks until a request waits for the next beat (``asked``) or the hub closes, for at
+        most ``timeout`` s; returns whether one came. For an idle server's beat thread."""
+        with self._asked:
+            return self._asked.wait_for(
+                lambda: bool(self._pending or self._releases) or self._closed is not None,
+                max(0.0, timeout),
+            )
 
     # ---- the beat thread (SessionSource) -----------------------------------------------------
 

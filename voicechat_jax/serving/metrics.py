@@ -229,6 +229,7 @@ class MetricsRecorder:
         self._lock = threading.RLock()
         self._steady = _PhaseCounters()
         self._warm = _PhaseCounters()
+        self.idle_ticks = 0  # ticks not run: nothing live, nothing asked (``record_idle``)
         self._ring = _Ring(window, len(_COLUMNS))
         # Steady ticks that ran, by latency bucket (the last: above every bound), whole run.
         self._histogram = np.zeros((len(LATENCY_BUCKETS_S) + 1,), np.int64)
@@ -444,6 +445,19 @@ class MetricsRecorder:
             self._live[sid] = figures
         return figures
 
+    def add_idle(self, n: int) -> None:
+        """Counts ``n`` more ticks that the server did not run, as their starts pass: no session
+        was live or asked for a slot, so nothing was owed. Neither run nor missed, and not in
+        ``ticks``."""
+        with self._lock:
+            self.idle_ticks += n
+
+    def record_idle(self, first: int, n: int) -> None:
+        """Writes one line for an idle period: ``n`` ticks from ``first`` (``add_idle``)."""
+        if n > 0:
+            with self._lock:
+                self._write({"type": "idle", "tick": first, "ticks": n})
+
     def record_compile(self, what: str, seconds: float) -> None:
         """Records a compile (or other start-up) time, reported apart from the ticks."""
         with self._lock:
@@ -491,6 +505,7 @@ class MetricsRecorder:
             out = self._phase_stats(self._steady, self._ring.column(0))
             n = out["ticks"]
             out["window_ticks"] = len(self._ring)
+            out["idle_ticks"] = self.idle_ticks
             # Counts per bucket (not cumulative), the last above every bound; whole run.
             out["latency_histogram"] = {
                 "le_s": list(LATENCY_BUCKETS_S),

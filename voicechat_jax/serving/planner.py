@@ -143,6 +143,23 @@ class BeatPlanner:
             "memories": len(self._memories),
         }
 
+    def quiet(self, k: int) -> bool:
+        """Whether tick k has nothing to do: no session live or waiting for a slot, no roll-over
+        asked, no scripted session due by k, no request from the hub. Nothing is owed for such a
+        tick, and the server need not run it (``Server._idle``)."""
+        return (
+            len(self.slots) == 0
+            and not self._waiting
+            and not self._rolling
+            and self.cap_reached.empty()
+            and self._scripted.quiet(k)
+            and not self.hub.asked()
+        )
+
+    def next_scripted_join(self) -> int | None:
+        """The tick at which the next scripted session joins (None: none left)."""
+        return self._scripted.next_join()
+
     def _end(self, sid: Hashable, why: str, detail: str, tick: int) -> None:
         """Bookkeeping for a session whose slot was just released."""
         self.ended[sid] = detail

@@ -36,6 +36,7 @@ def format_table(summary: dict) -> str:
     gc_policy, gc_auto = summary["gc"]["policy"], summary["gc"]["automatic"]
     rows = [
         ("steady ticks (skipped)", f"{summary['ticks']} ({summary['ticks_skipped']})"),
+        ("idle ticks (nothing live: not run)", f"{summary.get('idle_ticks', 0)}"),
         ("session-beats", f"{summary['session_beats']}"),
         (
             "beat latency ms p50/p99/p99.9/max",
@@ -128,6 +129,11 @@ class SummaryCollector:
         counters = [
             ("ticks", "Steady-state ticks (skipped included).", s["ticks"]),
             ("ticks_skipped", "Ticks skipped because the host fell behind.", s["ticks_skipped"]),
+            (
+                "ticks_idle",
+                "Ticks not run because no session was live or asked for a slot.",
+                s.get("idle_ticks", 0),
+            ),
             ("session_beats", "Steady-state session-beats.", s["session_beats"]),
             ("missed_ticks", "Ticks readable after their deadline, or skipped.", s["missed_ticks"]),
             (

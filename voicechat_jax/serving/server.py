@@ -26,6 +26,11 @@ uptime is bounded. ``Server.hub`` is the thread-safe front for sources other tha
 ``writer.OutputStream`` the caller drains: ``serving.net``). ``request_stop`` (any thread) drains
 the server: no new admission, the beat in flight is finished and written, every live session ends
 with a ``shutdown`` event and its files are closed.
+
+An idle real-time server runs no tick: when no session is live, waiting or asked for, and no
+scripted one is due, the beat thread sleeps (``_idle``) until a request comes (``SessionHub``),
+a scripted session's tick, a stop or the run's end, and the clock goes on from the next beat.
+Those ticks owe nothing; they are counted apart (``idle_ticks``), neither run nor missed.
 """
 
 from __future__ import annotations
@@ -109,6 +114,7 @@ def pick_loop(loop: str, *, mesh: bool, buckets: bool) -> str:
 
 
 _now = time.monotonic  # the beat clock's time source
+_IDLE_POLL_S = 0.1  # an idle beat thread looks at the stop flag this often
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,6 +427,40 @@ class Server:
             self._send(Skipped(j, self.clock.tick_start(j), self.clock.deadline(j), live))
         self.queues.discard_beats(k - last - 1)
 
+    def _idle(self, k: int, n_ticks: int) -> int:
+        """Tick k on a real-time clock with nothing to do (``BeatPlanner.quiet``), past the
+        warm-up: sleeps until a request comes, a scripted session is due, a stop or the run's
+        end, and returns the tick to run next: the first whose start is still ahead when a
+        request woke it (no beat starts late for it), else the scripted tick or ``n_ticks``.
+        The ticks from k to it are idle (``MetricsRecorder.add_idle``, counted as their starts
+        pass). Returns k itself when it is not idle. A stop wakes it within ``_IDLE_POLL_S``."""
+        if (
+            self.clock.mode == OFFLINE
+            or k < self.metrics.warmup_ticks
+            or self._stop.is_set()
+            or not self.planner.quiet(k)
+        ):
+            return k
+        due = self.planner.next_scripted_join()
+        until = n_ticks if due is None else min(n_ticks, max(due, k))
+        counted = k  # idle ticks counted so far: those whose start has passed
+        woke = until
+        while not self._stop.is_set():
+            passed = min(until, self.clock.due_tick() + 1)
+            self.metrics.add_idle(passed - counted)
+            counted = max(counted, passed)
+            remaining = self.clock.tick_start(until) - _now()
+            if remaining <= 0:
+                break
+            if self.hub.wait_for_request(min(remaining, _IDLE_POLL_S)):
+                woke = min(until, max(k, self.clock.due_tick() + 1))
+                break
+        if self._stop.is_set():
+            woke = max(k, min(until, self.clock.due_tick() + 1))
+        self.metrics.add_idle(woke - counted)
+        self.metrics.record_idle(k, woke - k)
+        return woke
+
     def _end_live_sessions(self, tick: int) -> None:
         """At any end, sessions still waiting for a slot are refused; on a stop request every
         live session ends with a ``shutdown`` event (beat thread)."""
@@ -493,7 +533,9 @@ class Server:
         try:
             while not self._stop.is_set():
                 k = self.clock.next_tick(last)
-                if k >= n_ticks:
+                if k < n_ticks and (woke := self._idle(k, n_ticks)) != k:
+                    k, last = woke, woke - 1
+                if k >= n_ticks or self._stop.is_set():
                     break
                 self._feed_ahead(k, last)
                 timing = self._wait_for(k, sent[-1] if sent else None)
@@ -584,6 +626,8 @@ class Server:
             if self.clock.mode == OFFLINE:
                 self.fanout.await_collected(last)
             k = self.clock.next_tick(last)
+            if k < self._n_ticks and (woke := self._idle(k, self._n_ticks)) != k:
+                k, last = woke, woke - 1
             if k < self._n_ticks and not self._stop.is_set():
                 self._feed_ahead(k, last)
                 timing = self._wait_for(k, last)
