@@ -229,7 +229,7 @@ class MetricsRecorder:
         self._lock = threading.RLock()
         self._steady = _PhaseCounters()
         self._warm = _PhaseCounters()
-        self.idle_ticks = 0  # ticks not run: nothing live, nothing asked (``record_idle``)
+        self.idle_ticks = 0  # ticks not run: nothing live, nothing asked (``add_idle``)
         self._ring = _Ring(window, len(_COLUMNS))
         # Steady ticks that ran, by latency bucket (the last: above every bound), whole run.
         self._histogram = np.zeros((len(LATENCY_BUCKETS_S) + 1,), np.int64)
