@@ -264,7 +264,6 @@ class SessionHub:
             self._closed = reason
             waiting = list(self._pending.values())
             self._pending.clear()
-            self._asked.notify_all()
         for _, future in waiting:
             if future.set_running_or_notify_cancel():
                 future.set_exception(HubClosedError(reason))
@@ -288,12 +287,12 @@ class SessionHub:
             return bool(self._pending or self._releases)
 
     def wait_for_request(self, timeout: float) -> bool:
-        """Blocks until a request waits for the next beat (``asked``) or the hub closes, for at
-        most ``timeout`` s; returns whether one came. For an idle server's beat thread."""
+        """Blocks until a request waits for the next beat (``asked``), for at most ``timeout``
+        s; returns whether one came. For an idle server's beat thread (a closed hub takes no
+        request: its caller also watches its own stop)."""
         with self._asked:
             return self._asked.wait_for(
-                lambda: bool(self._pending or self._releases) or self._closed is not None,
-                max(0.0, timeout),
+                lambda: bool(self._pending or self._releases), max(0.0, timeout)
             )
 
     # ---- the beat thread (SessionSource) -----------------------------------------------------
