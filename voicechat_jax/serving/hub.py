@@ -122,7 +122,8 @@ class ScriptedSessions:
 
     def quiet(self, tick: int) -> bool:
         """No plan is live, asking for a slot, or due to join at or before ``tick``."""
-        return not (self._live or self._plans or any(t <= tick for t in self._by_join))
+        due = self.next_join()
+        return not (self._live or self._plans or (due is not None and due <= tick))
 
     def next_join(self) -> int | None:
         """The tick of the next plan to join (None: none left)."""
@@ -284,16 +285,17 @@ class SessionHub:
     def asked(self) -> bool:
         """Whether a request waits for the next beat: a session asking for a slot, a release."""
         with self._lock:
-            return bool(self._pending or self._releases)
+            return self._requested()
 
     def wait_for_request(self, timeout: float) -> bool:
         """Blocks until a request waits for the next beat (``asked``), for at most ``timeout``
         s; returns whether one came. For an idle server's beat thread (a closed hub takes no
         request: its caller also watches its own stop)."""
         with self._asked:
-            return self._asked.wait_for(
-                lambda: bool(self._pending or self._releases), max(0.0, timeout)
-            )
+            return self._asked.wait_for(self._requested, max(0.0, timeout))
+
+    def _requested(self) -> bool:  # under the lock
+        return bool(self._pending or self._releases)
 
     # ---- the beat thread (SessionSource) -----------------------------------------------------
 

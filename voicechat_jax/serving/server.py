@@ -427,6 +427,15 @@ class Server:
             self._send(Skipped(j, self.clock.tick_start(j), self.clock.deadline(j), live))
         self.queues.discard_beats(k - last - 1)
 
+    def _next_tick(self, last: int | None, n_ticks: int) -> tuple[int, int | None]:
+        """Both loops: the tick to run after ``last`` (the clock's), past any idle stretch
+        (``_idle``); returns it with the ``last`` to go on from (the tick before it when the
+        ticks between were idle, so that none of them counts as skipped)."""
+        k = self.clock.next_tick(last)
+        if k < n_ticks and (woke := self._idle(k, n_ticks)) != k:
+            return woke, woke - 1
+        return k, last
+
     def _idle(self, k: int, n_ticks: int) -> int:
         """Tick k on a real-time clock with nothing to do (``BeatPlanner.quiet``), past the
         warm-up: sleeps until a request comes, a scripted session is due, a stop or the run's
@@ -532,9 +541,7 @@ class Server:
         sent: collections.deque[int] = collections.deque()  # dispatched, not yet picked up
         try:
             while not self._stop.is_set():
-                k = self.clock.next_tick(last)
-                if k < n_ticks and (woke := self._idle(k, n_ticks)) != k:
-                    k, last = woke, woke - 1
+                k, last = self._next_tick(last, n_ticks)
                 if k >= n_ticks or self._stop.is_set():
                     break
                 self._feed_ahead(k, last)
@@ -625,9 +632,7 @@ class Server:
             last = self._last
             if self.clock.mode == OFFLINE:
                 self.fanout.await_collected(last)
-            k = self.clock.next_tick(last)
-            if k < self._n_ticks and (woke := self._idle(k, self._n_ticks)) != k:
-                k, last = woke, woke - 1
+            k, last = self._next_tick(last, self._n_ticks)
             if k < self._n_ticks and not self._stop.is_set():
                 self._feed_ahead(k, last)
                 timing = self._wait_for(k, last)
