@@ -40,20 +40,20 @@ slots=$((h200 ? 96 : 40))  # issue 33's target on an H200; what an H100 holds
 full="--hold_full=true --slots=$slots"
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
   # issue 30: the resident loop (the default on one device since fa8f3ea, chosen on H100s) at
-  # the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then issue 33's
-  # tick, then the aims (96 faithful, 128 bf16) on the default loop.
+  # the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then the aims
+  # (96 faithful, 128 bf16) on the default loop, then issue 33's tick.
   cmds=("$cap --sessions=80 --policies=reference --loops=resident $log")
   # a second start of the same point: its resident loop loaded from the cache (callback_cache,
   # 88f9fa3) instead of compiled; the row's compile_s says how long the load took (4 s of
   # serving: the row holds nothing, by --min_ticks)
   cmds+=("$cap --sessions=80 --policies=reference --loops=resident --seconds=4 $log")
-  # issue 33 at the target's 96 slots: the reference tick (the products' candidates were
-  # measured on an H100 on 2026-12-06 and are not queued: three TF32 passes are less exact than
-  # full fp32 on the codec's shapes, our Triton fp32 kernel 0.45-0.76x cuBLAS; experiments/
-  # fp32_products)
-  last=("$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
-    "$cap --sessions=96 --policies=reference --loops=resident $log"
+  # issue 30's aims on the default loop, then issue 33's tick at the target's 96 slots: the
+  # reference tick (the products' candidates were measured on an H100 on 2026-12-06 and are not
+  # queued: three TF32 passes are less exact than full fp32 on the codec's shapes, our Triton
+  # fp32 kernel 0.45-0.76x cuBLAS; experiments/fp32_products)
+  last=("$cap --sessions=96 --policies=reference --loops=resident $log"
     "$cap --sessions=128 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log"
+    "$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
     # issue 33's second target (135 ms at 112), which the memory plan admits since 2710080
     "$prof --hold_full=true --slots=112 --out_dir=/tmp/tp_112 $log; $(keep_profile 112)")
 else  # an H100 (2026-12-06: 84 bf16 held on the dispatch loop at 0ced39c; 51 faithful on both
