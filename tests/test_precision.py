@@ -175,6 +175,7 @@ def test_the_policy_lives_in_serve_config():
 
 
 @functools.cache  # each policy's tick is lowered once for the file
+@functools.cache  # the faithful tick is lowered for three tests: ~4 s of CPU each time
 def _lowered_tick(precision: Precision) -> str:
     params = jax.eval_shape(lambda: voicechat.init(jax.random.key(0), CFG, precision))
     template = jax.eval_shape(
