@@ -38,6 +38,9 @@ slots=$((h200 ? 96 : 40))  # issue 33's target on an H200; what an H100 holds
 # every cache held full (issue 33's setting); the streamed codec (--codec_stream) is not
 # queued: on an H100 at 40 slots it gave the same outputs 4 % slower (2026-12-06, 4f89c42)
 full="--hold_full=true --slots=$slots"
+# issue 33, step 4: how much of the codec's largest fp32 product one launch hides behind a
+# memory-bound stream (experiments/role_split, added 2026-12-06; a minute on either card)
+split="python3 experiments/role_split/run.py --out=$R/role_split.jsonl $log"
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
   # issue 30: the resident loop (the default on one device since fa8f3ea, chosen on H100s) at
   # the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then the aims
@@ -51,7 +54,8 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
   # reference tick (the products' candidates were measured on an H100 on 2026-12-06 and are not
   # queued: three TF32 passes are less exact than full fp32 on the codec's shapes, our Triton
   # fp32 kernel 0.45-0.76x cuBLAS; experiments/fp32_products)
-  last=("$cap --sessions=96 --policies=reference --loops=resident $log"
+  last=("$split"
+    "$cap --sessions=96 --policies=reference --loops=resident $log"
     "$cap --sessions=128 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log"
     "$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
     # issue 33's second target (135 ms at 112), which the memory plan admits since 2710080
@@ -60,7 +64,8 @@ else  # an H100 (2026-12-06: 84 bf16 held on the dispatch loop at 0ced39c; 51 fa
   # loops at 94d43d0, the resident one 13 ms lighter at p99)
   # the bf16 policy's count on the resident loop (the default; its compile took 195 s at 84
   # slots, 2026-12-06), then the next one up
-  cmds=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
+  cmds=("$split")
+  cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   # a second start of the same point: the resident loop loaded (callback_cache, 88f9fa3)
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident --seconds=4 $log")
   cmds+=("$cap --sessions=92 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
