@@ -40,7 +40,10 @@ slots=$((h200 ? 96 : 40))  # issue 33's target on an H200; what an H100 holds
 full="--hold_full=true --slots=$slots"
 # issue 33, step 4: how much of the codec's largest fp32 product one launch hides behind a
 # memory-bound stream (experiments/role_split, added 2026-12-06; a minute on either card)
-split="python3 experiments/role_split/run.py --out=$R/role_split.jsonl $log"
+# (the default tiling, then a second one: Triton's fp32 products ran 0.45-0.76x cuBLAS on an H100)
+split="python3 experiments/role_split/run.py --out=$R/role_split.jsonl $log; python3 \
+experiments/role_split/run.py --block_m=64 --block_f=64 --num_warps=4 --label=m64_f64_w4 \
+--out=$R/role_split.jsonl $log"
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
   # issue 30: the resident loop (the default on one device since fa8f3ea, chosen on H100s) at
   # the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then the aims
