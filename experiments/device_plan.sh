@@ -63,15 +63,13 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
     "$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
     # issue 33's second target (135 ms at 112), which the memory plan admits since 2710080
     "$prof --hold_full=true --slots=112 --out_dir=/tmp/tp_112 $log; $(keep_profile 112)")
-else  # an H100 (2026-12-06: 84 bf16 held on the dispatch loop at 0ced39c; 51 faithful on both
-  # loops at 94d43d0, the resident one 13 ms lighter at p99)
-  # the bf16 policy's count on the resident loop (the default; its compile took 195 s at 84
-  # slots, 2026-12-06), then the next one up
-  cmds=("$split")
+else  # an H100 (2026-12-06: 84 bf16 held on the resident loop at ad5eda7, p99 118.4, and on the
+  # dispatch loop at 0ced39c on another machine, p99 134.7; 51 faithful on both loops at
+  # 94d43d0; its second start loaded the resident loop in 13.2 s; 92 bf16 do not fit, 85 do)
+  # the 84-session bf16 pair on one machine, which the rows lack: dispatch, then resident
+  # (experiments/role_split ran on an H100 at ad5eda7 and is not queued here again)
+  cmds=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
-  # a second start of the same point: the resident loop loaded (callback_cache, 88f9fa3)
-  cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident --seconds=4 $log")
-  cmds+=("$cap --sessions=92 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()
 fi
 cmds+=("${last[@]}")
