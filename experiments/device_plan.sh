@@ -39,7 +39,8 @@ slots=$((h200 ? 96 : 40))  # issue 33's target on an H200; what an H100 holds
 # queued: on an H100 at 40 slots it gave the same outputs 4 % slower (2026-12-06, 4f89c42)
 full="--hold_full=true --slots=$slots"
 # issue 33, step 4: how much of the codec's largest fp32 product one launch hides behind a
-# memory-bound stream (experiments/role_split, added 2026-12-06; a minute on either card)
+# memory-bound stream (experiments/role_split, added 2026-12-06; a minute; run on an H100 at
+# ad5eda7, queued on an H200)
 # (the default tiling, then a second one: Triton's fp32 products ran 0.45-0.76x cuBLAS on an H100)
 split="python3 experiments/role_split/run.py --out=$R/role_split.jsonl $log; python3 \
 experiments/role_split/run.py --block_m=64 --block_f=64 --num_warps=4 --label=m64_f64_w4 \

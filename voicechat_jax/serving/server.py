@@ -452,20 +452,24 @@ class Server:
             return k
         due = self.planner.next_scripted_join()
         until = n_ticks if due is None else min(n_ticks, max(due, k))
+
+        def ahead() -> int:  # the first tick in [k, until] whose start has not passed
+            return min(until, max(k, self.clock.due_tick() + 1))
+
         counted = k  # idle ticks counted so far: those whose start has passed
         woke = until
         while not self._stop.is_set():
-            passed = min(until, self.clock.due_tick() + 1)
+            passed = ahead()
             self.metrics.add_idle(passed - counted)
-            counted = max(counted, passed)
+            counted = passed
             remaining = self.clock.tick_start(until) - _now()
             if remaining <= 0:
                 break
             if self.hub.wait_for_request(min(remaining, _IDLE_POLL_S)):
-                woke = min(until, max(k, self.clock.due_tick() + 1))
+                woke = ahead()
                 break
         if self._stop.is_set():
-            woke = max(k, min(until, self.clock.due_tick() + 1))
+            woke = ahead()
         self.metrics.add_idle(woke - counted)
         self.metrics.record_idle(k, woke - k)
         return woke
