@@ -38,19 +38,20 @@ slots=$((h200 ? 96 : 40))  # issue 33's target on an H200; what an H100 holds
 # every cache held full (issue 33's setting); the streamed codec (--codec_stream) is not
 # queued: on an H100 at 40 slots it gave the same outputs 4 % slower (2026-12-06, 4f89c42)
 full="--hold_full=true --slots=$slots"
-# issue 33, step 4: how much of the codec's largest fp32 product one launch hides behind a
-# memory-bound stream (experiments/role_split, added 2026-12-06; a minute; run on an H100 at
-# ad5eda7, queued on an H200)
-# (the default tiling, then a second one: Triton's fp32 products ran 0.45-0.76x cuBLAS on an H100)
-split="python3 experiments/role_split/run.py --out=$R/role_split.jsonl $log; python3 \
-experiments/role_split/run.py --block_m=64 --block_f=64 --num_warps=4 --label=m64_f64_w4 \
---out=$R/role_split.jsonl $log"
+# experiments/role_split (stand-ins of the two kinds of work in one launch) ran on an H100 at
+# ad5eda7 and is no longer queued: attention_product below measures the same with the tick's
+# own attention kernel and products.
+# issue 33, step 4 with the tick's own attention kernel: the speech decoder's attention at 96
+# sessions beside each of the first frame's codec products and the backbone's, in one launch
+# (experiments/attention_product, added 2026-12-06; a few minutes; on either card: the first
+# GPU rows of pallas_kernels/attention_product.py)
+fused="python3 experiments/attention_product/run.py --slots=96 --out=$R/attention_product.jsonl $log"
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
   # issue 30: the resident loop (the default on one device since fa8f3ea, chosen on H100s) at
   # the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then the aims
   # (96 faithful, 128 bf16) on the default loop, then issue 33's tick.
-  # the minute-long probe first (a call cut short by the device time still brings it back)
-  cmds=("$split" "$cap --sessions=80 --policies=reference --loops=resident $log")
+  # the kernel-level probe first (a call cut short by the device time still brings it back)
+  cmds=("$fused" "$cap --sessions=80 --policies=reference --loops=resident $log")
   # a second start of the same point: its resident loop loaded from the cache (callback_cache,
   # 88f9fa3) instead of compiled; the row's compile_s says how long the load took (4 s of
   # serving: the row holds nothing, by --min_ticks)
@@ -68,8 +69,7 @@ else  # an H100 (2026-12-06: 84 bf16 held on the resident loop at ad5eda7, p99 1
   # dispatch loop at 0ced39c on another machine, p99 134.7; 51 faithful on both loops at
   # 94d43d0; its second start loaded the resident loop in 13.2 s; 92 bf16 do not fit, 85 do)
   # the 84-session bf16 pair on one machine, which the rows lack: dispatch, then resident
-  # (experiments/role_split ran on an H100 at ad5eda7 and is not queued here again)
-  cmds=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
+  cmds=("$fused" "$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()
 fi

@@ -273,7 +273,13 @@ def mha_decode_attention_reference(
     return decode_attention_reference(q, k, v, lengths, window=window, scale=scale)
 
 
-def _kernel(
+def _kernel(*refs, **static):
+    """Program (p, j) of ``mha_decode_attention``'s grid: ``attend_program`` for split j."""
+    attend_program(pl.program_id(1), *refs, **static)
+
+
+def attend_program(
+    j,
     lo_ref,
     hi_ref,
     q_ref,
@@ -287,17 +293,18 @@ def _kernel(
     single: bool,
     qk_scale: float,
 ):
-    """Program (p, j): heads [p * P, (p + 1) * P) over rows [j * split_s, (j + 1) * split_s).
+    """One program: heads [p * P, (p + 1) * P) over rows [j * split_s, (j + 1) * split_s).
 
-    Refs: lo, hi [P] int32 (each head's attended rows), q [P, H], k and v [P, split_s, H] (this
-    split's rows; lanes past H only where the last piece runs past H, masked). Outputs: with one
-    split, o [P, H] in q's dtype, normalised; else o [P, H], m and l [P], fp32 partials (m in
-    base-2 units, as the kernel's softmax).
+    The program's body, for this kernel's grid and for a launch that runs it beside other work
+    (``pallas_kernels.attention_product``); ``j`` (a traced int) is its split. Refs, as blocks
+    of head group p: lo, hi [P] int32 (each head's attended rows), q [P, H], k and v
+    [P, split_s, H] (this split's rows; lanes past H only where the last piece runs past H,
+    masked). Outputs: with one split, o [P, H] in q's dtype, normalised; else o [P, H], m and l
+    [P], fp32 partials (m in base-2 units, as the kernel's softmax).
     """
     P = q_ref.shape[0]
     # The cache is read once per call: a hint to evict its lines first.
     stream = functools.partial(pltriton.load, other=0.0, eviction_policy="evict_first")
-    j = pl.program_id(1)
     start = j * split_s
     lo = pltriton.load(lo_ref)  # [P]
     hi = pltriton.load(hi_ref)
@@ -386,6 +393,134 @@ def _check(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionLaunch:
+    """One call's attention as a launch lays it out: this kernel's, or a launch that also runs
+    other work (``pallas_kernels.attention_product``), whose grid maps onto ``(p, j)``.
+
+    Attributes:
+      operands: lo, hi [BK] int32, q [BK, H], k and v [BK, S, H] (free reshapes of the call's).
+      static: ``attend_program``'s keywords.
+      groups: head groups (BK / P); n_splits: splits of S (a program is one (p, j) of both).
+      shape: (B, K, H) and q's dtype, for ``finish``.
+    """
+
+    operands: tuple[jax.Array, ...]
+    static: dict
+    P: int
+    split_s: int
+    Hb: int
+    groups: int
+    n_splits: int
+    shape: tuple[int, int, int]
+    dtype: jnp.dtype
+    cost: tuple[int, int, int]  # flops, transcendentals, bytes: an upper bound (every row read)
+
+    def in_specs(self, pj) -> list[pl.BlockSpec]:
+        """Blocks of the operands for a grid whose indices ``pj(*indices)`` maps to (p, j)."""
+        P, Hb = self.P, self.Hb
+        heads = pl.BlockSpec((P,), lambda *g: (pj(*g)[0],))
+        kv = pl.BlockSpec((P, self.split_s, Hb), lambda *g: (*pj(*g), 0))
+        return [heads, heads, pl.BlockSpec((P, Hb), lambda *g: (pj(*g)[0], 0)), kv, kv]
+
+    def out_shape(self):
+        BK, n = self.groups * self.P, self.n_splits
+        H = self.shape[2]
+        if n == 1:
+            return (jax.ShapeDtypeStruct((BK, H), self.dtype),)
+        return (
+            jax.ShapeDtypeStruct((BK, n, H), F32),
+            jax.ShapeDtypeStruct((BK, n), F32),
+            jax.ShapeDtypeStruct((BK, n), F32),
+        )
+
+    def out_specs(self, pj) -> list[pl.BlockSpec]:
+        P, Hb = self.P, self.Hb
+        if self.n_splits == 1:
+            return [pl.BlockSpec((P, Hb), lambda *g: (pj(*g)[0], 0))]
+        return [
+            pl.BlockSpec((P, None, Hb), lambda *g: (*pj(*g), 0)),
+            pl.BlockSpec((P, None), lambda *g: pj(*g)),
+            pl.BlockSpec((P, None), lambda *g: pj(*g)),
+        ]
+
+    def finish(self, outs) -> jax.Array:
+        """[B, K, 1, H] from the launch's attention outputs (the splits merged, if several)."""
+        out = outs[0] if self.n_splits == 1 else _combine(*outs, self.dtype)
+        Bsz, K, H = self.shape
+        return out.reshape(Bsz, K, 1, H)
+
+
+def attention_launch(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    *,
+    window: int | None,
+    scale: float,
+    blocks: MHABlocks | None,
+) -> AttentionLaunch:
+    """The checked layout of one call (``mha_decode_attention``'s arguments)."""
+    _check(q.ndim == 4 and q.shape[2] == 1, f"q must be [B, K, 1, H] (G = 1): {q.shape}")
+    Bsz, K, _, H = q.shape
+    _check(
+        k.ndim == 4 and k.shape[:2] == (Bsz, K) and k.shape[3] == H and v.shape == k.shape,
+        f"k and v must be [B={Bsz}, K={K}, S, H={H}]: {k.shape}, {v.shape}",
+    )
+    _check(lengths.shape == (Bsz,), f"lengths must be [B={Bsz}]: {lengths.shape}")
+    _check(
+        window is None or (isinstance(window, int) and window >= 1),
+        f"window must be None or a static int >= 1: {window!r}",
+    )
+    blocks = blocks or default_blocks(k.dtype)
+    S = k.shape[2]
+    BK = Bsz * K
+    pl_ = plan(BK, S, blocks)
+    n = pl_.n_splits
+    pieces = head_pieces(H, blocks.piece)
+    lengths = lengths.astype(jnp.int32)
+    hi = jnp.clip(lengths, 0, S)
+    lo = jnp.zeros_like(hi) if window is None else jnp.clip(lengths - window, 0, S)
+    hi = jnp.repeat(hi, K)  # [BK]: head (b, k) is row b * K + k
+    lo = jnp.repeat(lo, K)
+    partial = 0 if n == 1 else BK * n * (H + 2) * 4
+    return AttentionLaunch(
+        operands=(lo, hi, q.reshape(BK, H), k.reshape(BK, S, H), v.reshape(BK, S, H)),
+        static=dict(
+            H=H,
+            pieces=pieces,
+            R=pl_.R,
+            split_s=pl_.split_s,
+            single=n == 1,
+            qk_scale=float(scale) * _LOG2E,
+        ),
+        P=pl_.P,
+        split_s=pl_.split_s,
+        Hb=pieces[-1][0] + pieces[-1][1],  # block lanes: H, or H rounded up to whole pieces
+        groups=BK // pl_.P,
+        n_splits=n,
+        shape=(Bsz, K, H),
+        dtype=q.dtype,
+        cost=(
+            4 * BK * S * H,
+            2 * BK * S,
+            k.nbytes + v.nbytes + 2 * q.nbytes + partial + 8 * BK,
+        ),
+    )
+
+
+def cost_estimate(flops: int, transcendentals: int, bytes_accessed: int) -> dict:
+    """``pallas_call``'s ``cost_estimate`` keyword where this JAX has it (else nothing)."""
+    if not _HAS_COST_ESTIMATE:
+        return {}
+    return {
+        "cost_estimate": pl.CostEstimate(
+            flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed
+        )
+    }
+
+
 def mha_decode_attention(
     q: jax.Array,
     k: jax.Array,
@@ -411,77 +546,20 @@ def mha_decode_attention(
     Raises:
       ValueError: on inconsistent shapes, G != 1, a bad window, or invalid block sizes.
     """
-    _check(q.ndim == 4 and q.shape[2] == 1, f"q must be [B, K, 1, H] (G = 1): {q.shape}")
-    Bsz, K, _, H = q.shape
-    _check(
-        k.ndim == 4 and k.shape[:2] == (Bsz, K) and k.shape[3] == H and v.shape == k.shape,
-        f"k and v must be [B={Bsz}, K={K}, S, H={H}]: {k.shape}, {v.shape}",
-    )
-    _check(lengths.shape == (Bsz,), f"lengths must be [B={Bsz}]: {lengths.shape}")
-    _check(
-        window is None or (isinstance(window, int) and window >= 1),
-        f"window must be None or a static int >= 1: {window!r}",
-    )
     blocks = blocks or default_blocks(k.dtype)
-    S = k.shape[2]
-    BK = Bsz * K
-    pl_ = plan(BK, S, blocks)
-    P, n = pl_.P, pl_.n_splits
-    pieces = head_pieces(H, blocks.piece)
-    Hb = pieces[-1][0] + pieces[-1][1]  # block lanes: H, or H rounded up to whole pieces
-
-    lengths = lengths.astype(jnp.int32)
-    hi = jnp.clip(lengths, 0, S)
-    lo = jnp.zeros_like(hi) if window is None else jnp.clip(lengths - window, 0, S)
-    hi = jnp.repeat(hi, K)  # [BK]: head (b, k) is row b * K + k
-    lo = jnp.repeat(lo, K)
-
-    kernel = functools.partial(
-        _kernel,
-        H=H,
-        pieces=pieces,
-        R=pl_.R,
-        split_s=pl_.split_s,
-        single=n == 1,
-        qk_scale=float(scale) * _LOG2E,
-    )
-    heads = pl.BlockSpec((P,), lambda p, j: (p,))
-    kv = pl.BlockSpec((P, pl_.split_s, Hb), lambda p, j: (p, j, 0))
-    if n == 1:
-        out_shape = jax.ShapeDtypeStruct((BK, H), q.dtype)
-        out_specs = pl.BlockSpec((P, Hb), lambda p, j: (p, 0))
-    else:
-        out_shape = (
-            jax.ShapeDtypeStruct((BK, n, H), F32),
-            jax.ShapeDtypeStruct((BK, n), F32),
-            jax.ShapeDtypeStruct((BK, n), F32),
-        )
-        out_specs = (
-            pl.BlockSpec((P, None, Hb), lambda p, j: (p, j, 0)),
-            pl.BlockSpec((P, None), lambda p, j: (p, j)),
-            pl.BlockSpec((P, None), lambda p, j: (p, j)),
-        )
-    cost = {}
-    if _HAS_COST_ESTIMATE:  # an upper bound: every row read (the static shape knows no lengths)
-        partial = 0 if n == 1 else BK * n * (H + 2) * 4
-        cost["cost_estimate"] = pl.CostEstimate(
-            flops=4 * BK * S * H,
-            transcendentals=2 * BK * S,
-            bytes_accessed=k.nbytes + v.nbytes + 2 * q.nbytes + partial + 8 * BK,
-        )
-    out = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(BK // P, n),
-        in_specs=[heads, heads, pl.BlockSpec((P, Hb), lambda p, j: (p, 0)), kv, kv],
-        out_specs=out_specs,
+    at = attention_launch(q, k, v, lengths, window=window, scale=scale, blocks=blocks)
+    pj = lambda p, j: (p, j)  # noqa: E731
+    outs = pl.pallas_call(
+        functools.partial(_kernel, **at.static),
+        out_shape=at.out_shape(),
+        grid=(at.groups, at.n_splits),
+        in_specs=at.in_specs(pj),
+        out_specs=at.out_specs(pj),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(
             num_warps=blocks.num_warps, num_stages=blocks.num_stages
         ),
         name="mha_decode_attention",
-        **cost,
-    )(lo, hi, q.reshape(BK, H), k.reshape(BK, S, H), v.reshape(BK, S, H))
-    if n > 1:
-        out = _combine(*out, q.dtype)
-    return out.reshape(Bsz, K, 1, H)
+        **cost_estimate(*at.cost),
+    )(*at.operands)
+    return at.finish(outs)
