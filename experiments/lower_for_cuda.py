@@ -37,6 +37,9 @@ flags.DEFINE_enum("attention", "auto", [m.value for m in config_lib.AttentionImp
 flags.DEFINE_enum(
     "tts_attention", None, [m.value for m in config_lib.AttentionImpl], "Speech decoder's."
 )
+flags.DEFINE_bool(
+    "codec_in_attention", False, "Each frame's codec products in the next frame's attention."
+)
 
 
 def main(argv):
@@ -51,6 +54,7 @@ def main(argv):
         ssm_kernel=FLAGS.ssm_kernel,
         attention=FLAGS.attention,
         tts_attention=FLAGS.tts_attention,
+        codec_in_attention=FLAGS.codec_in_attention,
         precision=precision,
     ).resolved("gpu")
     args = abstract_tick_args(cfg, serve)
@@ -65,9 +69,12 @@ def main(argv):
         "HIGHEST": sum("HIGHEST" in p for p in products),
         "HIGH": sum("[HIGH, HIGH]" in p for p in products),
     }
+    fused = text.count('name = "attention_and_product"')
     print(
         f"{FLAGS.model} tick lowered for cuda: {len(text):,} characters, "
-        f"{text.count('__gpu$xla.gpu.triton')} Triton calls, {len(products)} products {kinds}; "
+        f"{text.count('__gpu$xla.gpu.triton')} Triton calls "
+        f"({fused} attention_and_product), "
+        f"{len(products)} products {kinds}; "
         f"{serve.slots} slots, kernels {serve.kernels().row()}"
     )
 

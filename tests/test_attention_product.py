@@ -1,7 +1,8 @@
 """``pallas_kernels.attention_product``: one launch computes the G = 1 attention and an fp32
 product exactly as the two kernels alone do, in either order of its programs, and close to the
 jnp reference (Pallas interpreter); shapes off the product's tiles are refused; at the 11B shapes
-it lowers to one Triton call."""
+it lowers to one Triton call; and the speech decoder's step carries products in its attention
+launches (``model.beside``) without changing a bit of its own outputs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import pytest
 
 from pallas_kernels import attention_product as ap
 from pallas_kernels.mha_decode_attention import MHABlocks, mha_decode_attention
-from voicechat_jax.config import voicechat_11b
+from voicechat_jax.config import tiny, voicechat_11b
+from voicechat_jax.model import beside, gemma
+from voicechat_jax.precision import Precision
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 PRODUCT = ap.ProductBlocks(block_m=16, block_f=16, block_k=16)
@@ -98,3 +101,47 @@ def test_gpu_lowering_is_one_triton_call():
     fn = functools.partial(ap.attention_and_product, scale=0.0625)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
+
+
+def test_speech_decoder_step_carries_products_in_its_attention_launches():
+    """One T = 1 step of the tiny speech decoder (4 layers) with 'pallas_mha' attention and a
+    ``model.beside.Beside`` of three products: the three ride in the first three layers'
+    launches, a fourth that does not tile runs by XLA, and the step's cache and hidden states are
+    those of the step alone, bit for bit; each product equals the product role's alone."""
+    cfg = tiny().tts
+    params = gemma.init(jax.random.key(0), cfg, Precision.fp32())
+    B, S = 4, 20
+    rng = np.random.default_rng(6)
+    shape = (B, cfg.n_kv_heads, S, cfg.head_dim)
+    kv = [jnp.asarray(rng.standard_normal(shape), F32) for _ in range(2 * cfg.n_layers)]
+    pos = jnp.asarray([0, 3, 9, 12], jnp.int32)  # the window is 8: rows before and past it
+    cache = gemma.GemmaCache(k=tuple(kv[: cfg.n_layers]), v=tuple(kv[cfg.n_layers :]), pos=pos)
+    x = jnp.asarray(rng.standard_normal((B, 1, cfg.d_model)), F32)
+    shapes = [(70, 32, 48), (20, 48, 16), (16, 16, 64), (8, 8, 24)]  # M, C, F; the last: no tile
+    xs = [jnp.asarray(rng.standard_normal((m, c)), F32) for m, c, _ in shapes]
+    ws = [jnp.asarray(rng.standard_normal((c, f)), F32) for _, c, f in shapes]
+
+    def products():
+        ys = []
+        for a, w in zip(xs, ws, strict=True):
+            ys.append((yield a, w))
+        return ys
+
+    fused = []
+
+    @jax.jit
+    def step(params, cache, x):
+        carry = beside.Beside(products())
+        out = gemma.forward(params, cache, x, cfg=cfg, attention="pallas_mha", beside=carry)
+        ys = carry.finish()
+        fused.append(carry.fused)  # counted while tracing
+        return out, ys
+
+    (new, h), ys = step(params, cache, x)
+    assert fused == [3]
+    alone = jax.jit(functools.partial(gemma.forward, cfg=cfg, attention="pallas_mha"))
+    chex.assert_trees_all_equal((new, h), alone(params, cache, x))
+    for a, w, y in zip(xs[:3], ws[:3], ys[:3], strict=True):
+        blocks = beside.product_blocks(*w.shape)
+        chex.assert_trees_all_equal(y, ap.fp32_product(a, w, product=blocks, interpret=True))
+    np.testing.assert_allclose(ys[3], beside.xla_product(xs[3], ws[3]), rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,7 @@ from tests import shared
 from voicechat_jax.config import CodecConfig, tiny, voicechat_11b
 from voicechat_jax.keys import KeyRule, fill
 from voicechat_jax.keys import codec as codec_keys
-from voicechat_jax.model import codec
+from voicechat_jax.model import beside, codec
 from voicechat_jax.model.common import count_params
 from voicechat_jax.precision import Precision
 from voicechat_jax.release_config import codec_config
@@ -205,6 +206,30 @@ def test_jit_equals_eager(cfg, params, codes, ours_stream):
         eager.append(np.asarray(wav))
     spf = cfg.samples_per_frame
     assert rel_err(np.concatenate(eager, axis=1), ours_stream[:, : 2 * spf]) <= 1e-5
+
+
+def test_step_as_products_equals_the_step(cfg, params, codes, ours_stream):
+    """``decode_step_products`` driven by XLA's fp32 products (what ``model.beside`` does where
+    no attention launch takes them) decodes the stream ``decode_step`` decodes, one frame a call
+    and two, with the same state."""
+
+    @functools.partial(jax.jit, static_argnames="cfg")
+    def by_products(params, state, codes, cfg):
+        gen = codec.decode_step_products(params, state, codes, cfg=cfg)
+        return codec.drive_products(gen, beside.xla_product)
+
+    spf = cfg.samples_per_frame
+    for k in (1, 2):
+        state = codec.init_state(cfg, B, Precision.fp32())
+        ref_state = state
+        out = []
+        for t in range(0, 4, k):
+            chunk = jnp.asarray(codes[:, t : t + k])
+            state, wav = by_products(params, state, chunk, cfg=cfg)
+            ref_state, _ = codec.decode_step(params, ref_state, chunk, cfg=cfg)
+            out.append(np.asarray(wav))
+        assert rel_err(np.concatenate(out, axis=1), ours_stream[:, : 4 * spf]) <= 1e-5
+        chex.assert_trees_all_close(state, ref_state, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["noise", "silence"])

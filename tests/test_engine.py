@@ -201,7 +201,8 @@ def test_resident_warm_up_runs_one_iteration_aside_from_the_host(engine):
 
 def test_served_frames_equal_the_model_alone(engine, params):
     """A served session's frames equal ``voicechat.advance`` on its audio alone, frame by frame;
-    and so do the frames of ``advance`` with the codec on a second stream."""
+    and so do the frames of ``advance`` with the codec on a second stream or in the speech
+    decoder's attention launches."""
     x = _speech(2, 30)
     server = _serve(engine, [SessionPlan(id="m", audio=x)], 6)
     served = _out(server, "m")
@@ -222,25 +223,25 @@ def test_served_frames_equal_the_model_alone(engine, params):
     # per batch size (seen: 2e-7 absolute), never the tokens or codes.
     np.testing.assert_allclose(served["wav"], np.concatenate(wav), rtol=0, atol=1e-5)
 
-    # ``Kernels(codec_stream=True)``: the beat's frames unrolled, each frame's codes decoded on a
-    # second stream (program order off a GPU): the same tokens, codes and state; the waveform,
-    # decoded a frame at a time, to fp32 rounding.
-    streamed = jax.jit(
-        functools.partial(
-            voicechat.advance,
-            cfg=CFG,
-            precision=PREC,
-            deterministic=False,
-            kernels=Kernels(codec_stream=True),
+    # The beat's frames unrolled and each frame's codes decoded apart: on a second stream
+    # (``codec_stream``, program order off a GPU), or as products handed to the next frame's
+    # speech-decoder attention (``codec_in_attention``; XLA's attention here, so XLA's products
+    # at those places): the same tokens, codes and state; the waveform, decoded a frame at a
+    # time, to fp32 rounding.
+    for kernels in (Kernels(codec_stream=True), Kernels(codec_in_attention=True)):
+        streamed = jax.jit(
+            functools.partial(
+                voicechat.advance, cfg=CFG, precision=PREC, deterministic=False, kernels=kernels
+            )
         )
-    )
-    other = template
-    for t in range(6):
-        other, out = streamed(params, other, jnp.asarray(x[None, t * BEAT : (t + 1) * BEAT]), key)
-        np.testing.assert_array_equal(out.text[0], text[t])
-        np.testing.assert_array_equal(out.codes[0], codes[t])
-        np.testing.assert_allclose(out.wav[0], wav[t], rtol=0, atol=1e-5)
-    chex.assert_trees_all_close(other, state, atol=1e-5, rtol=0)
+        other = template
+        for t in range(6):
+            beat = jnp.asarray(x[None, t * BEAT : (t + 1) * BEAT])
+            other, out = streamed(params, other, beat, key)
+            np.testing.assert_array_equal(out.text[0], text[t])
+            np.testing.assert_array_equal(out.codes[0], codes[t])
+            np.testing.assert_allclose(out.wav[0], wav[t], rtol=0, atol=1e-5)
+        chex.assert_trees_all_close(other, state, atol=1e-5, rtol=0)
 
 
 def _sliced_weights(params, template) -> set[str]:

@@ -432,6 +432,9 @@ class Kernels:
     # the beat's frames unrolled, each frame's codes decoded on a second GPU stream beside the
     # next frame's LLM and speech decoder (``model.streams``; ``ServeConfig.codec_stream``)
     codec_stream: bool = False
+    # the beat's frames unrolled, each frame's codec products in the next frame's speech-decoder
+    # attention launches (``model.beside``; ``ServeConfig.codec_in_attention``)
+    codec_in_attention: bool = False
 
     def __post_init__(self):
         for field, cls in (
@@ -443,6 +446,10 @@ class Kernels:
             value = _choice(cls, getattr(self, field), field)
             _check(value != "auto", f"{field}: 'auto' must be resolved (ServeConfig.kernels)")
             object.__setattr__(self, field, value)
+        _check(
+            not (self.codec_stream and self.codec_in_attention),
+            "codec_stream and codec_in_attention are two places for one codec: choose one",
+        )
 
     def row(self) -> dict[str, str]:
         """The choices by name (for rows and logs)."""
@@ -486,6 +493,11 @@ class ServeConfig:
     # to fp32 rounding (the codec decodes a frame at a time). Overlaps only with
     # ``--xla_gpu_experimental_stream_annotation=true`` in ``XLA_FLAGS``.
     codec_stream: bool = False
+    # Experimental (issue 33's overlap): each frame's codec products run inside the next frame's
+    # speech-decoder attention launches, one a layer (``Kernels.codec_in_attention``,
+    # ``model.beside``; fused where that attention is the G = 1 Pallas kernel, 'pallas_mha').
+    # The same tokens and codes; the waveform to fp32 rounding. Full-fp32 codec policies only.
+    codec_in_attention: bool = False
     deadline_ms: float | None = None  # default: the beat period
     capsule_tokens: int = 96  # U: room for a roll-over's conversation capsule (token ids)
     # Benchmarks only: every live slot's attention caches held full (``step.hold_full``), so a
@@ -508,6 +520,11 @@ class ServeConfig:
         if isinstance(self.precision, str):
             object.__setattr__(self, "precision", precision_lib.policy(self.precision))
         _check(isinstance(self.precision, Precision), f"precision: {self.precision!r}")
+        _check(
+            not self.codec_in_attention or self.precision.codec_matmul == "float32",
+            "codec_in_attention runs the codec's products in full fp32: the policy's codec "
+            f"matmul is {self.precision.codec_matmul!r}",
+        )
         for field, cls in (
             ("at_cap", AtCap),
             ("speech_sampling", SpeechSampling),
@@ -561,7 +578,12 @@ class ServeConfig:
         decoder's spelled out."""
         r = self.resolved(platform, slots)
         return Kernels(
-            r.ssm_kernel, r.attention, r.tts_attention or r.attention, r.projection, r.codec_stream
+            r.ssm_kernel,
+            r.attention,
+            r.tts_attention or r.attention,
+            r.projection,
+            r.codec_stream,
+            r.codec_in_attention,
         )
 
     @property

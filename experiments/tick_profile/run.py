@@ -45,6 +45,9 @@ flags.DEFINE_string("tts_attention", None, "Speech decoder's attention (default:
 flags.DEFINE_string("projection", "xla", "LLM projections (ServeConfig.projection).")
 flags.DEFINE_bool("hold_full", True, "Every live slot's attention caches held full.")
 flags.DEFINE_bool("codec_stream", False, "Each frame's codec step on a second GPU stream.")
+flags.DEFINE_bool(
+    "codec_in_attention", False, "Each frame's codec products in the next frame's attention."
+)
 flags.DEFINE_integer("ticks", 3, "Ticks in the trace.", lower_bound=1)
 flags.DEFINE_integer("probe_ticks", 5, "Ticks timed back to back without the profiler.")
 flags.DEFINE_string("out_dir", None, "Rows, table, traces and HLO (default $OUT, else runs/).")
@@ -122,6 +125,7 @@ def profile_slots(n: int, params, cfg, template, out_dir: pathlib.Path, rows: Ro
         tts_attention=FLAGS.tts_attention,
         projection=FLAGS.projection,
         codec_stream=FLAGS.codec_stream,
+        codec_in_attention=FLAGS.codec_in_attention,
         hold_full=FLAGS.hold_full,
     )
     engine = Engine(params, cfg, serve, template=template)

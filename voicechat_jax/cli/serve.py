@@ -236,6 +236,14 @@ flags.DEFINE_bool(
     "--xla_gpu_experimental_stream_annotation=true).",
     flag_values=FLAGS,
 )
+flags.DEFINE_bool(
+    "codec_in_attention",
+    False,
+    "Experimental: each frame's codec products inside the next frame's speech-decoder "
+    "attention launches, one a layer (ServeConfig.codec_in_attention; fused where that attention "
+    "is the 'pallas_mha' kernel).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_enum(
     "gc_policy",
     "slack",
@@ -576,6 +584,7 @@ def options_from_flags() -> runner.RunOptions:
         ssm_kernel=FLAGS.ssm_kernel,
         projection=FLAGS.projection,
         codec_stream=FLAGS.codec_stream,
+        codec_in_attention=FLAGS.codec_in_attention,
         deadline_ms=FLAGS.deadline_ms,
         precision=FLAGS.precision,
     )

@@ -51,6 +51,7 @@ window / FFT size (``n_fft``), ``R`` frequency bins (``n_fft // 2 + 1``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Generator
 
 import jax
 import jax.numpy as jnp
@@ -290,6 +291,14 @@ def _pointwise(x: jax.Array, w: jax.Array, prec: jax.lax.Precision = _HIGHEST) -
     return jnp.einsum("btc,co->bto", x, w[0].astype(x.dtype), precision=prec)
 
 
+def _convnext_in(p: ConvNeXtParams, x: jax.Array, tail: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A ``ConvNeXt1d``'s depthwise causal conv and norm: (the first product's input, new tail)."""
+    k, T = p.dw.shape[0], x.shape[1]
+    xp = jnp.concatenate([tail.astype(x.dtype), x], axis=1)  # [B, T + k - 1, C]
+    h = p.dw_b.astype(x.dtype) + sum(xp[:, j : j + T] * p.dw[j].astype(x.dtype) for j in range(k))
+    return layer_norm(h, p.norm_w, p.norm_b, _LN_EPS), xp[:, T:]
+
+
 def _convnext(
     p: ConvNeXtParams, x: jax.Array, tail: jax.Array, prec: jax.lax.Precision = _HIGHEST
 ) -> tuple[jax.Array, jax.Array]:
@@ -299,14 +308,11 @@ def _convnext(
     the offline left padding); ``prec`` its products' precision. Returns (output [B, T, C], new
     tail [B, k - 1, C]).
     """
-    k, T = p.dw.shape[0], x.shape[1]
-    xp = jnp.concatenate([tail.astype(x.dtype), x], axis=1)  # [B, T + k - 1, C]
-    h = p.dw_b.astype(x.dtype) + sum(xp[:, j : j + T] * p.dw[j].astype(x.dtype) for j in range(k))
-    h = layer_norm(h, p.norm_w, p.norm_b, _LN_EPS)
+    h, tail = _convnext_in(p, x, tail)
     h = _pointwise(h, p.pw1, prec) + p.pw1_b.astype(x.dtype)
     h = jax.nn.gelu(h, approximate=False)  # torch nn.GELU(): erf
     h = _pointwise(h, p.pw2, prec) + p.pw2_b.astype(x.dtype)
-    return x + h, xp[:, T:]
+    return x + h, tail
 
 
 def _convnext_stack(
@@ -455,6 +461,17 @@ def decode_step(
     prec = lax_precision(matmul)
     latent = codes_to_latent(params, codes).astype(state.istft.dtype)
     logits, conv = _decoder_trunk(params.decoder, latent, state.conv, prec)
+    return _stream_out(state, conv, logits, cfg, prec)
+
+
+def _stream_out(
+    state: CodecState,
+    conv: tuple[jax.Array, ...],
+    logits: jax.Array,
+    cfg: CodecConfig,
+    prec: jax.lax.Precision,
+) -> tuple[CodecState, jax.Array]:
+    """The streaming decoder's spectrum head and overlap-add after its trunk: (state, wav)."""
     frames = jnp.concatenate([state.istft, _synth_frames(logits, cfg, prec)], axis=1)
     S = state.istft.shape[1]
     hop = cfg.hop_length
@@ -464,6 +481,53 @@ def decode_step(
     wav = _overlap_add(frames, hop)[:, start : start + n]
     wav = wav / _envelope(frames.shape[1], cfg, wav.dtype)[start : start + n]
     return CodecState(conv=conv, istft=frames[:, frames.shape[1] - S :]), wav
+
+
+def decode_step_products(
+    params: CodecParams, state: CodecState, codes: jax.Array, *, cfg: CodecConfig
+) -> Generator[tuple[jax.Array, jax.Array], jax.Array, tuple[CodecState, jax.Array]]:
+    """``decode_step`` (full fp32) as a generator of its large products, for whoever runs them.
+
+    Yields each of the trunk's products in order as ``(x [M, C], w [C, F])`` fp32 and expects
+    ``x @ w`` [M, F] in full fp32 back (``send``): every stage's transposed conv (its weight laid
+    out [C_in, r * C], so that the product's rows are the stage's output steps in order) and every
+    ConvNeXt block's two pointwise products, the blocks unrolled. The output conv (2R = 18
+    columns) and the spectrum head stay here. Returns ``decode_step``'s (state, wav).
+    ``drive_products`` runs it with XLA's products; the speech decoder runs its products inside
+    its attention launches (``model.beside``). Same math as ``decode_step``; the sums may be
+    taken in another order (fp32 rounding).
+    """
+    _check_cfg(cfg)
+    latent = codes_to_latent(params, codes).astype(state.istft.dtype)
+    x, conv = latent, []
+    for stage, tails in zip(params.decoder.stages, state.conv, strict=True):
+        C_in, C, r = stage.up.shape
+        B, T, _ = x.shape
+        up = jnp.swapaxes(stage.up, 1, 2).reshape(C_in, r * C).astype(x.dtype)  # [in, (r, out)]
+        y = yield x.reshape(B * T, C_in), up
+        x = y.reshape(B, T * r, C)
+        new_tails = []
+        for l in range(stage.blocks.dw.shape[0]):
+            p = jax.tree.map(lambda a, l=l: a[l], stage.blocks)
+            h, tail = _convnext_in(p, x, tails[:, l])
+            y = yield h.reshape(-1, C), p.pw1[0].astype(x.dtype)
+            h = jax.nn.gelu(y + p.pw1_b.astype(x.dtype), approximate=False)  # torch nn.GELU()
+            y = yield h, p.pw2[0].astype(x.dtype)
+            x = x + (y + p.pw2_b.astype(x.dtype)).reshape(x.shape)
+            new_tails.append(tail)
+        conv.append(jnp.stack(new_tails, axis=1))
+    logits = _pointwise(x, params.decoder.out)
+    return _stream_out(state, tuple(conv), logits, cfg, _HIGHEST)
+
+
+def drive_products(gen: Generator, product: Callable[[jax.Array, jax.Array], jax.Array]):
+    """Runs a generator of products (``decode_step_products``) to its end with ``product``."""
+    try:
+        request = next(gen)
+        while True:
+            request = gen.send(product(*request))
+    except StopIteration as stop:
+        return stop.value
 
 
 # ---------------------------------------------------------------------------------------------

@@ -429,9 +429,11 @@ def tts_step(
     deterministic: bool,
     attention: str = "xla",
     product: ProductPrecision = None,
+    beside=None,
 ) -> tuple[TTSState, jax.Array, jax.Array]:
-    """One 80 ms frame for the slots in ``run`` (default all); ``attention`` and ``product`` (the
-    weight products' precision, ``Precision.tts_product``) as ``gemma.forward``.
+    """One 80 ms frame for the slots in ``run`` (default all); ``attention``, ``product`` (the
+    weight products' precision, ``Precision.tts_product``) and ``beside`` (products to run in the
+    attention launches) as ``gemma.forward``.
 
     Args:
       text_ids: [B] int, the frame's text token (the LLM's output for this frame).
@@ -469,6 +471,7 @@ def tts_step(
         valid=jnp.repeat(live, 2),
         attention=attention,
         product=product,
+        beside=beside,
     )
     h = h.reshape(B, 2, -1)
     codes = generate_codes(

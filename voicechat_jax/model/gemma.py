@@ -193,6 +193,7 @@ def forward(
     valid: jax.Array | None = None,
     attention: str = "xla",
     product: ProductPrecision = None,
+    beside=None,
 ) -> tuple[GemmaCache, jax.Array]:
     """Runs ``T`` new positions per slot through the backbone, reading and extending the cache.
 
@@ -212,6 +213,8 @@ def forward(
         'xla' is bit-identical to the masked softmax below).
       product: the weight products' ``precision=`` (static; ``Precision.tts_product``), None for
         the scope's. The attention's own products keep the scope's.
+      beside: a ``model.beside.Beside`` whose products ride in the decode step's attention
+        launches, one a layer (T = 1 only; the caller finishes it), or None.
 
     Returns:
       (the new cache, h [B, T, D] the final-norm hidden states).
@@ -259,7 +262,8 @@ def forward(
         qg = q.reshape(B, T, K, G, H)
         if T == 1:
             win = None if int(window[l]) == _NO_WINDOW else int(window[l])
-            a = attend(
+            step = attend if beside is None else beside.attend
+            a = step(
                 qg[:, 0], ks[l], vs[l], positions[:, 0] + 1, window=win, scale=scale, impl=attention
             )
         else:

@@ -24,6 +24,7 @@ from flax import struct
 
 from voicechat_jax.config import PAD_ID, XLA_KERNELS, Kernels, ModelConfig
 from voicechat_jax.model import codec, conformer, ear_tts, gemma, mog, nano, rnnt, streams
+from voicechat_jax.model.beside import Beside
 from voicechat_jax.model.common import keep_rows, tf32_pairs
 from voicechat_jax.precision import Precision
 
@@ -205,6 +206,11 @@ def advance(
         the LLM's Mamba step update and decode attention (``model.attention``), the speech
         decoder's attention, and the LLM's MLP and Mamba projections.
     """
+    if kernels.codec_in_attention and precision.codec_matmul != "float32":
+        raise ValueError(
+            "codec_in_attention runs the codec's products in full fp32: the policy's codec "
+            f"matmul is {precision.codec_matmul!r}"
+        )
     B = audio.shape[0]
     run = jnp.ones((B,), bool) if run is None else run
     enc_state, enc, proj = conformer.encoder_step(
@@ -216,7 +222,7 @@ def advance(
     rnnt_state = keep_rows(run, rnnt_state, state.rnnt)
     step = run.astype(jnp.int32)
 
-    def one(carry, xs):
+    def one(carry, xs, beside=None):
         llm_state, tts_state, text_prev, func_prev, frame = carry
         a_t = xs
         llm_state, text, func, _ = listen_frame(
@@ -240,6 +246,7 @@ def advance(
             deterministic=deterministic,
             attention=kernels.tts_attention,
             product=precision.tts_product(),
+            beside=beside,
         )
         text_prev, func_prev = keep_rows(run, (text, func), (text_prev, func_prev))
         return (llm_state, tts_state, text_prev, func_prev, frame + step), (
@@ -262,6 +269,25 @@ def advance(
             codec_state, wav_t = decode_beside(params.codec, codec_state, out_t[3][:, None])
             outs.append(out_t)
             wavs.append(wav_t)
+        text, func, codes, dec_codes = (jnp.stack(x) for x in zip(*outs, strict=True))
+        wav = jnp.concatenate(wavs, axis=1)
+    elif kernels.codec_in_attention:
+        # The frames unrolled; each frame's codec products ride in the next frame's speech
+        # decoder attention launches (``model.beside``), the last frame's run after it.
+        outs, wavs, codec_state, beside = [], [], state.codec, None
+        for t in range(proj.shape[1]):
+            carry, out_t = one(carry, proj[:, t], beside)
+            if beside is not None:
+                codec_state, wav_t = beside.finish()
+                wavs.append(wav_t)
+            beside = Beside(
+                codec.decode_step_products(
+                    params.codec, codec_state, out_t[3][:, None], cfg=cfg.codec
+                )
+            )
+            outs.append(out_t)
+        codec_state, wav_t = beside.finish()
+        wavs.append(wav_t)
         text, func, codes, dec_codes = (jnp.stack(x) for x in zip(*outs, strict=True))
         wav = jnp.concatenate(wavs, axis=1)
     else:
