@@ -46,30 +46,34 @@ full="--hold_full=true --slots=$slots"
 # (experiments/attention_product, added 2026-12-06; a few minutes; on either card: the first
 # GPU rows of pallas_kernels/attention_product.py)
 fused="python3 experiments/attention_product/run.py --slots=96 --out=$R/attention_product.jsonl $log"
+# then in the tick (codec_in_attention, added 2026-12-06: each frame's codec products in the next
+# frame's 28 attention launches, 21 of them fused at 11B), against the reference tick on the
+# same machine, every cache full
+beside="$prof $full --out_dir=/tmp/tp_ref_$slots $log; $(keep_profile ref_$slots); \
+$prof $full --codec_in_attention --out_dir=/tmp/tp_cia_$slots $log; $(keep_profile cia_$slots)"
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
   # issue 30: the resident loop (the default on one device since fa8f3ea, chosen on H100s) at
   # the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then the aims
   # (96 faithful, 128 bf16) on the default loop, then issue 33's tick.
   # the kernel-level probe first (a call cut short by the device time still brings it back)
-  cmds=("$fused" "$cap --sessions=80 --policies=reference --loops=resident $log")
+  cmds=("$fused" "$cap --sessions=80 --policies=reference --loops=resident $log" "$beside")
   # a second start of the same point: its resident loop loaded from the cache (callback_cache,
   # 88f9fa3) instead of compiled; the row's compile_s says how long the load took (4 s of
   # serving: the row holds nothing, by --min_ticks)
   cmds+=("$cap --sessions=80 --policies=reference --loops=resident --seconds=4 $log")
-  # issue 30's aims on the default loop, then issue 33's tick at the target's 96 slots: the
-  # reference tick (the products' candidates were measured on an H100 on 2026-12-06 and are not
-  # queued: three TF32 passes are less exact than full fp32 on the codec's shapes, our Triton
-  # fp32 kernel 0.45-0.76x cuBLAS; experiments/fp32_products)
+  # issue 30's aims on the default loop, then issue 33's tick at 112 (the products' candidates
+  # were measured on an H100 on 2026-12-06 and are not queued: three TF32 passes are less exact
+  # than full fp32 on the codec's shapes; experiments/fp32_products)
   last=("$cap --sessions=96 --policies=reference --loops=resident $log"
     "$cap --sessions=128 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log"
-    "$prof $full --out_dir=/tmp/tp_ref_96 $log; $(keep_profile ref_96)"
     # issue 33's second target (135 ms at 112), which the memory plan admits since 2710080
     "$prof --hold_full=true --slots=112 --out_dir=/tmp/tp_112 $log; $(keep_profile 112)")
 else  # an H100 (2026-12-06: 84 bf16 held on the resident loop at ad5eda7, p99 118.4, and on the
   # dispatch loop at 0ced39c on another machine, p99 134.7; 51 faithful on both loops at
   # 94d43d0; its second start loaded the resident loop in 13.2 s; 92 bf16 do not fit, 85 do)
   # the 84-session bf16 pair on one machine, which the rows lack: dispatch, then resident
-  cmds=("$fused" "$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
+  cmds=("$fused" "$beside")
+  cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()
 fi
