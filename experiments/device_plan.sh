@@ -45,16 +45,13 @@ full="--hold_full=true --slots=$slots"
 # sessions beside each of the first frame's codec products and the backbone's, in one launch
 # (experiments/attention_product, added 2026-12-06; a few minutes; on either card: the first
 # GPU rows of pallas_kernels/attention_product.py)
-# (then, on the largest products, a narrower product tile and 8-warp programs: compiled for
-# sm_90a here, one launch takes 188 registers a thread at 64 x 64 x 32 with 4 warps against the
-# attention's 134 alone, 134 at 32 x 32 x 32, and 111 with 8 warps (the attention alone 80);
-# README)
+# (then the largest products again at 2 stages: compiled for sm_90a here, one launch at the
+# 64 x 64 x 32 product tile takes 188 registers a thread at 2 stages and 130 at 3, the launch's
+# default, against the attention's 134 alone; README)
 fused="python3 experiments/attention_product/run.py --slots=96 --out=$R/attention_product.jsonl \
-$log; python3 experiments/attention_product/run.py --slots=96 --block_m=32 --block_f=32 \
---products=codec_pw1_3,codec_pw2_3,codec_pw1_2,tts_gate_up --label=m32_f32 \
---out=$R/attention_product.jsonl $log; python3 experiments/attention_product/run.py --slots=96 \
---blocks=64:1:auto:8:w32 --products=codec_pw1_3,codec_pw2_3,codec_pw1_2,tts_gate_up \
---label=attention_w8 --out=$R/attention_product.jsonl $log"
+$log; python3 experiments/attention_product/run.py --slots=96 --num_stages=2 \
+--products=codec_pw1_3,codec_pw2_3,codec_pw1_2,tts_gate_up --label=stages2 \
+--out=$R/attention_product.jsonl $log"
 # then in the tick (codec_in_attention, added 2026-12-06: each frame's codec products in the next
 # frame's 28 attention launches, 21 of them fused at 11B), against the reference tick on the
 # same machine, every cache full

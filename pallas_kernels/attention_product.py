@@ -51,6 +51,13 @@ from pallas_kernels.mha_decode_attention import (
 F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
 ORDERS = ("interleaved", "blocked")
+# Triton's pipelining stages for one launch. Compiled for sm_90a on the CPU (2026-12-06,
+# experiments/attention_product/ptx_check.py; structure, not speed): at 96 sessions beside a
+# 64 x 64 x 32 product tile with 4 warps, 2 stages (the attention's own) take 188 registers a
+# thread, two programs an SM where the attention alone (134) fits three; 3 stages stage the
+# product's loads through shared memory (32 KiB a program) and take 130, so the attention keeps
+# its programs in flight. Not yet timed on a GPU.
+LAUNCH_STAGES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +169,15 @@ def attention_and_product(
     blocks: MHABlocks | None = None,
     product: ProductBlocks = ProductBlocks(),
     order: str = "interleaved",
+    num_stages: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(``mha_decode_attention(q, k, v, lengths)``, ``x @ w`` in fp32) from one launch.
 
     The attention's arguments and tiling are ``mha_decode_attention``'s; x [M, C] and w [C, F]
     fp32 (C a multiple of ``product.block_k``, F of ``product.block_f``). The launch takes the
-    attention's ``num_warps`` and ``num_stages``. ``interpret``: the Pallas interpreter (CPU).
+    attention's ``num_warps``; ``num_stages`` (Triton's pipelining of both roles' loops) defaults
+    to ``LAUNCH_STAGES``. ``interpret``: the Pallas interpreter (CPU).
 
     Raises:
       ValueError: on the attention's bad arguments, or a product that does not tile.
@@ -206,7 +215,7 @@ def attention_and_product(
         out_specs=[*at.out_specs(pj), y_spec],
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(
-            num_warps=blocks.num_warps, num_stages=blocks.num_stages
+            num_warps=blocks.num_warps, num_stages=num_stages or LAUNCH_STAGES
         ),
         name="attention_and_product",
         **cost_estimate(
@@ -222,10 +231,12 @@ def fp32_product(
     *,
     product: ProductBlocks = ProductBlocks(),
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = LAUNCH_STAGES,
     interpret: bool = False,
 ) -> jax.Array:
-    """``x @ w`` in full fp32 by the product role alone (one program per output tile)."""
+    """``x @ w`` in full fp32 by the product role alone (one program per output tile). The
+    defaults are the launch the role ran at 0.96x XLA's on an H100 in ``experiments/role_split``
+    (64 x 64 x 32 tiles, 4 warps, 3 stages)."""
     m_tiles, f_tiles = _product_tiles(x, w, product)
     x_spec, w_spec, y_spec = _product_specs(x, w, product, f_tiles, lambda t: t)
     M = x.shape[0]

@@ -13,6 +13,7 @@ the GPU machine's jaxlib: the numbers describe the kernels' structure, not their
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import tempfile
@@ -30,6 +31,7 @@ from voicechat_jax import config as config_lib
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("slots", 96, "Sessions (2 CFG rows each; the product's rows follow).")
 flags.DEFINE_list("tiles", ["64:64:32", "64:64:16", "32:64:32", "32:32:32"], "block_m:f:k.")
+flags.DEFINE_list("stages", ["2", "3"], "Triton pipelining stages of each compile.")
 flags.DEFINE_string("out", None, "JSON-lines file the rows are appended to.")
 
 KEYS = ("registers", "spill_store_bytes", "shared_bytes")
@@ -52,28 +54,31 @@ def main(argv):
     C = codec.base_hidden  # the last stage's channels; its rows: slots x a frame's steps
     M = FLAGS.slots * codec.samples_per_frame // codec.hop_length
     prod = (jax.ShapeDtypeStruct((M, C), f32), jax.ShapeDtypeStruct((C, 4 * C), f32))
-    blocks = default_blocks(f32)
     log, rows = harness.RowLog(FLAGS.out), []
+    warps = default_blocks(f32).num_warps
     with tempfile.TemporaryDirectory() as workdir:
-        ttir = triton_module(functools.partial(mha_decode_attention, scale=1.0), *attn)
-        r = compile_sm90(ttir, blocks.num_warps, blocks.num_stages, workdir)
-        rows.append(log.write({"kernel": "attention", "tiles": "-", **{k: r[k] for k in KEYS}}))
-        for spec in FLAGS.tiles:
-            tiles = ProductBlocks(*(int(n) for n in spec.split(":")))
-            for kernel, fn, args in (
-                ("fused", functools.partial(attention_and_product, scale=1.0, product=tiles),
-                 (*attn, *prod)),
-                ("product", functools.partial(fp32_product, product=tiles), prod),
-            ):  # fmt: skip
-                r = compile_sm90(triton_module(fn, *args), blocks.num_warps,
-                                 blocks.num_stages, workdir)  # fmt: skip
-                rows.append(log.write({"kernel": kernel, "tiles": spec, "M": M, "C": C,
-                                       **{k: r[k] for k in KEYS}}))  # fmt: skip
-    print("| kernel | tiles (m:f:k) | registers | spill bytes | shared bytes |")
-    print("|---|---|---:|---:|---:|")
+        for stages in (int(n) for n in FLAGS.stages):
+            blocks = dataclasses.replace(default_blocks(f32), num_stages=stages)
+            fn = functools.partial(mha_decode_attention, scale=1.0, blocks=blocks)
+            r = compile_sm90(triton_module(fn, *attn), warps, stages, workdir)
+            rows.append(log.write({"kernel": "attention", "tiles": "-", "stages": stages,
+                                   **{k: r[k] for k in KEYS}}))  # fmt: skip
+            for spec in FLAGS.tiles:
+                tiles = ProductBlocks(*(int(n) for n in spec.split(":")))
+                for kernel, fn, args in (
+                    ("fused", functools.partial(attention_and_product, scale=1.0, product=tiles,
+                                                num_stages=stages), (*attn, *prod)),
+                    ("product", functools.partial(fp32_product, product=tiles,
+                                                  num_stages=stages), prod),
+                ):  # fmt: skip
+                    r = compile_sm90(triton_module(fn, *args), warps, stages, workdir)
+                    rows.append(log.write({"kernel": kernel, "tiles": spec, "stages": stages,
+                                           "M": M, "C": C, **{k: r[k] for k in KEYS}}))  # fmt: skip
+    print("| kernel | tiles (m:f:k) | stages | registers | spill bytes | shared bytes |")
+    print("|---|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['kernel']} | {r['tiles']} | {r['registers']} | {r['spill_store_bytes']} | "
-              f"{r['shared_bytes']} |")  # fmt: skip
+        print(f"| {r['kernel']} | {r['tiles']} | {r['stages']} | {r['registers']} | "
+              f"{r['spill_store_bytes']} | {r['shared_bytes']} |")  # fmt: skip
 
 
 if __name__ == "__main__":

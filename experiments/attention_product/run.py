@@ -51,6 +51,7 @@ flags.DEFINE_string("blocks", None, "The attention's tiling (MHABlocks.label); d
 flags.DEFINE_integer("block_m", 64, "Product tile rows.")
 flags.DEFINE_integer("block_f", 64, "Product tile columns.")
 flags.DEFINE_integer("block_k", 32, "Product contraction step.")
+flags.DEFINE_integer("num_stages", None, "The one launch's Triton stages (default its own).")
 flags.DEFINE_integer("calls", 10, "Timed calls per timing (median), after 2 warm-up calls.")
 flags.DEFINE_bool("tiny", False, "The tiny model's shapes (with --interpret: a CPU check).")
 flags.DEFINE_bool("interpret", False, "The Pallas interpreter (a CPU check of the script).")
@@ -115,7 +116,10 @@ def measure(cfg, prod: Product, blocks: MHABlocks, pblocks: ap.ProductBlocks) ->
         return jnp.dot(x, w, precision=_HIGHEST, preferred_element_type=jnp.float32)
 
     def fused(order):
-        return functools.partial(ap.attention_and_product, **kw, product=pblocks, order=order)
+        return functools.partial(
+            ap.attention_and_product, **kw, product=pblocks, order=order,
+            num_stages=FLAGS.num_stages,
+        )  # fmt: skip
 
     steps = {  # (q, x) -> (q, y) for one layer
         "attention": lambda q, x: (attend(q, k, v, lengths), None),
@@ -162,6 +166,7 @@ def measure(cfg, prod: Product, blocks: MHABlocks, pblocks: ap.ProductBlocks) ->
         **dataclasses.asdict(prod),
         "blocks": blocks.label(),
         "product_blocks": dataclasses.asdict(pblocks),
+        "launch_stages": FLAGS.num_stages or ap.LAUNCH_STAGES,
         **{f"{name}_ms": round(t, 4) for name, t in ms.items()},
         "attention_tbps": round((k.nbytes + v.nbytes) / ms["attention"] / 1e9, 3),
         **{f"{n}_tflops": round(flops / ms[n] / 1e9, 2) for n in ("xla", "pallas")},
