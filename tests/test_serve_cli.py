@@ -138,12 +138,19 @@ def test_readme_command_runs_the_embedded_default(tmp_path):
     _check_outputs(str(tmp_path / "runs" / "serve" / "latest"), sessions=4, ticks=62)
 
 
-@pytest.mark.parametrize(("loop", "ssm_kernel"), [("dispatch", "pallas"), ("resident", "xla")])
-def test_flags(serve_main, tmp_path, loop, ssm_kernel):
+@pytest.mark.parametrize(
+    ("loop", "kernel_flags"),
+    [
+        ("dispatch", ("--ssm_kernel=pallas", "--codec_in_attention")),
+        ("resident", ("--ssm_kernel=xla",)),
+    ],
+    ids=["dispatch-pallas-codec_in_attention", "resident-xla"],
+)
+def test_flags(serve_main, tmp_path, loop, kernel_flags):
     out = tmp_path / "out"
     proc = serve_main(
         f"--loop={loop}",
-        f"--ssm_kernel={ssm_kernel}",
+        *kernel_flags,
         "--clock=offline",
         "--speech_sampling=deterministic",
         "--slots=2",
@@ -157,6 +164,8 @@ def test_flags(serve_main, tmp_path, loop, ssm_kernel):
         failures = json.load(f)["failures"]
     assert "server full" in failures["s002"]
     assert "sessions refused" in proc.stdout
+    # the engine's kernels line names every flag's choice
+    assert f"'codec_in_attention': '{'--codec_in_attention' in kernel_flags}'" in proc.log
 
 
 def test_context_cap_and_failed_sessions_are_reported(serve_main, tmp_path):
