@@ -521,6 +521,10 @@ class ServeConfig:
             object.__setattr__(self, "precision", precision_lib.policy(self.precision))
         _check(isinstance(self.precision, Precision), f"precision: {self.precision!r}")
         _check(
+            not (self.codec_stream and self.codec_in_attention),
+            "codec_stream and codec_in_attention are two places for one codec: choose one",
+        )
+        _check(
             not self.codec_in_attention or self.precision.codec_matmul == "float32",
             "codec_in_attention runs the codec's products in full fp32: the policy's codec "
             f"matmul is {self.precision.codec_matmul!r}",

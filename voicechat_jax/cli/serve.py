@@ -672,7 +672,10 @@ def main(argv: list[str]) -> int:
     from voicechat_jax.checkpoint import CheckpointError  # orbax: imported once flags are good
     from voicechat_jax.engine import MemoryPlanError
 
-    options = options_from_flags()
+    try:
+        options = options_from_flags()
+    except ValueError as e:  # a combination ServeConfig refuses
+        _fail(str(e), EXIT_USAGE)
     _preflight(options)
     import jax  # the device count is known once the backend starts
 
