@@ -417,6 +417,23 @@ AUTO_KERNELS = {
 }
 
 
+def check_codec_placement(
+    codec_stream: bool, codec_in_attention: bool, codec_matmul: str | None = None
+) -> None:
+    """Raises ValueError (one line) for a codec placed twice, or placed in the attention launches
+    (full-fp32 products) under a policy whose codec products are not full fp32 (``codec_matmul``,
+    ``Precision.codec_matmul``; None: not known here)."""
+    _check(
+        not (codec_stream and codec_in_attention),
+        "codec_stream and codec_in_attention are two places for one codec: choose one",
+    )
+    _check(
+        not codec_in_attention or codec_matmul in (None, "float32"),
+        "codec_in_attention runs the codec's products in full fp32: the policy's codec "
+        f"matmul is {codec_matmul!r}",
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The kernels one compiled program runs, every 'auto' choice made (``ServeConfig.kernels``).
@@ -446,10 +463,7 @@ class Kernels:
             value = _choice(cls, getattr(self, field), field)
             _check(value != "auto", f"{field}: 'auto' must be resolved (ServeConfig.kernels)")
             object.__setattr__(self, field, value)
-        _check(
-            not (self.codec_stream and self.codec_in_attention),
-            "codec_stream and codec_in_attention are two places for one codec: choose one",
-        )
+        check_codec_placement(self.codec_stream, self.codec_in_attention)
 
     def row(self) -> dict[str, str]:
         """The choices by name (for rows and logs)."""
@@ -520,14 +534,8 @@ class ServeConfig:
         if isinstance(self.precision, str):
             object.__setattr__(self, "precision", precision_lib.policy(self.precision))
         _check(isinstance(self.precision, Precision), f"precision: {self.precision!r}")
-        _check(
-            not (self.codec_stream and self.codec_in_attention),
-            "codec_stream and codec_in_attention are two places for one codec: choose one",
-        )
-        _check(
-            not self.codec_in_attention or self.precision.codec_matmul == "float32",
-            "codec_in_attention runs the codec's products in full fp32: the policy's codec "
-            f"matmul is {self.precision.codec_matmul!r}",
+        check_codec_placement(
+            self.codec_stream, self.codec_in_attention, self.precision.codec_matmul
         )
         for field, cls in (
             ("at_cap", AtCap),

@@ -42,6 +42,7 @@ from experiments import harness
 from pallas_kernels import attention_product as ap
 from pallas_kernels.mha_decode_attention import MHABlocks, default_blocks, mha_decode_attention
 from voicechat_jax import config as config_lib
+from voicechat_jax.model.beside import xla_product
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("slots", 96, "Sessions (two speech-decoder rows each; codec rows follow).")
@@ -58,7 +59,6 @@ flags.DEFINE_bool("interpret", False, "The Pallas interpreter (a CPU check of th
 flags.DEFINE_string("label", "default", "The run's name.")
 flags.DEFINE_string("out", None, "JSON-lines output file (appended).")
 
-_HIGHEST = jax.lax.Precision.HIGHEST
 VARIANTS = ("attention", "xla", "pallas", "serial", "serial_pallas", "interleaved", "blocked")
 
 
@@ -112,9 +112,6 @@ def measure(cfg, prod: Product, blocks: MHABlocks, pblocks: ap.ProductBlocks) ->
     attend = functools.partial(mha_decode_attention, **kw)
     pallas = functools.partial(ap.fp32_product, product=pblocks, interpret=FLAGS.interpret)
 
-    def xla(x, w):
-        return jnp.dot(x, w, precision=_HIGHEST, preferred_element_type=jnp.float32)
-
     def fused(order):
         return functools.partial(
             ap.attention_and_product, **kw, product=pblocks, order=order,
@@ -123,9 +120,9 @@ def measure(cfg, prod: Product, blocks: MHABlocks, pblocks: ap.ProductBlocks) ->
 
     steps = {  # (q, x) -> (q, y) for one layer
         "attention": lambda q, x: (attend(q, k, v, lengths), None),
-        "xla": lambda q, x: (q, xla(x, w)),
+        "xla": lambda q, x: (q, xla_product(x, w)),
         "pallas": lambda q, x: (q, pallas(x, w)),
-        "serial": lambda q, x: (attend(q, k, v, lengths), xla(x, w)),
+        "serial": lambda q, x: (attend(q, k, v, lengths), xla_product(x, w)),
         "serial_pallas": lambda q, x: (attend(q, k, v, lengths), pallas(x, w)),
         "interleaved": lambda q, x: fused("interleaved")(q, k, v, lengths, x, w),
         "blocked": lambda q, x: fused("blocked")(q, k, v, lengths, x, w),

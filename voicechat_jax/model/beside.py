@@ -77,8 +77,6 @@ class Beside:
             blocks = product_blocks(*w.shape)
             fusable = AttentionImpl(impl) == AttentionImpl.PALLAS_MHA and q.shape[2] == 1
             if fusable and blocks is not None:
-                if window is not None and window >= k.shape[2]:
-                    window = None  # cuts nothing (as ``attend`` runs it)
                 out, y = attention_and_product(
                     q, k, v, lengths, x, w, window=window, scale=scale, product=blocks,
                     interpret=jax.default_backend() == "cpu",

@@ -51,7 +51,7 @@ window / FFT size (``n_fft``), ``R`` frequency bins (``n_fft // 2 + 1``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 
 import jax
 import jax.numpy as jnp
@@ -493,9 +493,9 @@ def decode_step_products(
     out [C_in, r * C], so that the product's rows are the stage's output steps in order) and every
     ConvNeXt block's two pointwise products, the blocks unrolled. The output conv (2R = 18
     columns) and the spectrum head stay here. Returns ``decode_step``'s (state, wav).
-    ``drive_products`` runs it with XLA's products; the speech decoder runs its products inside
-    its attention launches (``model.beside``). Same math as ``decode_step``; the sums may be
-    taken in another order (fp32 rounding).
+    ``model.beside.Beside`` runs its products inside the speech decoder's attention launches,
+    and XLA's dot for the rest (``Beside.finish`` alone: every product by XLA). Same math as
+    ``decode_step``; the sums may be taken in another order (fp32 rounding).
     """
     _check_cfg(cfg)
     latent = codes_to_latent(params, codes).astype(state.istft.dtype)
@@ -518,16 +518,6 @@ def decode_step_products(
         conv.append(jnp.stack(new_tails, axis=1))
     logits = _pointwise(x, params.decoder.out)
     return _stream_out(state, tuple(conv), logits, cfg, _HIGHEST)
-
-
-def drive_products(gen: Generator, product: Callable[[jax.Array, jax.Array], jax.Array]):
-    """Runs a generator of products (``decode_step_products``) to its end with ``product``."""
-    try:
-        request = next(gen)
-        while True:
-            request = gen.send(product(*request))
-    except StopIteration as stop:
-        return stop.value
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,7 +22,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from voicechat_jax.config import PAD_ID, XLA_KERNELS, Kernels, ModelConfig
+from voicechat_jax.config import (
+    PAD_ID,
+    XLA_KERNELS,
+    Kernels,
+    ModelConfig,
+    check_codec_placement,
+)
 from voicechat_jax.model import codec, conformer, ear_tts, gemma, mog, nano, rnnt, streams
 from voicechat_jax.model.beside import Beside
 from voicechat_jax.model.common import keep_rows, tf32_pairs
@@ -206,11 +212,7 @@ def advance(
         the LLM's Mamba step update and decode attention (``model.attention``), the speech
         decoder's attention, and the LLM's MLP and Mamba projections.
     """
-    if kernels.codec_in_attention and precision.codec_matmul != "float32":
-        raise ValueError(
-            "codec_in_attention runs the codec's products in full fp32: the policy's codec "
-            f"matmul is {precision.codec_matmul!r}"
-        )
+    check_codec_placement(kernels.codec_stream, kernels.codec_in_attention, precision.codec_matmul)
     B = audio.shape[0]
     run = jnp.ones((B,), bool) if run is None else run
     enc_state, enc, proj = conformer.encoder_step(
