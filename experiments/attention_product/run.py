@@ -9,12 +9,12 @@ layers:
 - ``attention``: ``mha_decode_attention`` alone (the tick's kernel at these slots);
 - ``xla``, ``pallas``: the product alone, as XLA runs it (``jnp.dot`` at HIGHEST, the tick's
   way) and by the fused kernel's product role (``attention_product.fp32_product``);
-- ``serial``: the attention, then XLA's product (the tick today); ``serial_pallas``: the
+- ``serial``: the attention, then XLA's product (as the tick runs them); ``serial_pallas``: the
   attention, then the Pallas product (two launches of the fused kernel's code);
 - ``interleaved``, ``blocked``: both in one launch (``attention_product.attention_and_product``).
 
 ``hidden`` = (serial - interleaved) / min(attention, xla): the share of the shorter part the one
-launch took off against today's two; ``same``: the one launch's outputs equal the two Pallas
+launch took off against the two; ``same``: the one launch's outputs equal the two Pallas
 launches' bit for bit (the attention and the product); ``vs_xla_max_abs``: the Pallas product
 against XLA's. The products are the first frame's codec products (``codec.decode_step``: each
 stage's transposed-conv product, then its ConvNeXt blocks' two products, rows = slots x the

@@ -8,7 +8,7 @@ median of ``--calls`` calls:
 
 - ``read``, ``product``: each role alone (one launch of ``kernel.two_roles``);
 - ``xla_product``: the same product as XLA runs it (``jnp.dot`` at HIGHEST, the tick's way);
-- ``serial``: both roles in one program, one launch each (the tick's way today);
+- ``serial``: both roles in one program, one launch each (as the tick runs them);
 - ``blocked``, ``interleaved``: both roles in one launch (``kernel.ORDERS``).
 
 ``hidden`` = (serial - fused) / min(read, product): the share of the shorter part that running
