@@ -55,8 +55,13 @@ $log; python3 experiments/attention_product/run.py --slots=96 --num_stages=2 \
 # then in the tick (codec_in_attention, added 2026-12-06: each frame's codec products in the next
 # frame's 28 attention launches, 21 of them fused at 11B), against the reference tick on the
 # same machine, every cache full
+# (and then a frame behind, codec_frame_behind, added 2026-12-07: every frame's codec in attention
+# launches, the beat's last frame's in the next beat's first, 42 fused at 11B; the audio 80 ms
+# later)
 beside="$prof $full --out_dir=/tmp/tp_ref_$slots $log; $(keep_profile ref_$slots); \
-$prof $full --codec_in_attention --out_dir=/tmp/tp_cia_$slots $log; $(keep_profile cia_$slots)"
+$prof $full --codec_in_attention --out_dir=/tmp/tp_cia_$slots $log; $(keep_profile cia_$slots); \
+$prof $full --codec_in_attention --codec_frame_behind --out_dir=/tmp/tp_cfb_$slots $log; \
+$(keep_profile cfb_$slots)"
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
   # issue 30: the resident loop (the default on one device since fa8f3ea, chosen on H100s) at
   # the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then the aims

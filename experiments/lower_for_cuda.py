@@ -40,6 +40,11 @@ flags.DEFINE_enum(
 flags.DEFINE_bool(
     "codec_in_attention", False, "Each frame's codec products in the next frame's attention."
 )
+flags.DEFINE_bool(
+    "codec_frame_behind",
+    False,
+    "With codec_in_attention, the codec a frame behind: every frame's products in attention.",
+)
 
 
 def main(argv):
@@ -55,6 +60,7 @@ def main(argv):
         attention=FLAGS.attention,
         tts_attention=FLAGS.tts_attention,
         codec_in_attention=FLAGS.codec_in_attention,
+        codec_frame_behind=FLAGS.codec_frame_behind,
         precision=precision,
     ).resolved("gpu")
     args = abstract_tick_args(cfg, serve)

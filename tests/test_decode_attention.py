@@ -436,19 +436,21 @@ def test_auto_kernels_are_the_measured_best_per_platform_and_slots():
     assert (auto.attention, auto.tts_attention, auto.ssm_kernel) == ("auto", None, "auto")
     xla = {"ssm_kernel": "xla", "attention": "xla", "tts_attention": "xla", "projection": "xla"}
     # the codec on the main stream, by itself, unless asked
-    codec = {"codec_stream": "False", "codec_in_attention": "False"}
+    codec = {"codec_stream": "False", "codec_in_attention": "False", "codec_frame_behind": "False"}
     xla |= codec
     assert auto.kernels("cpu", 112).row() == xla
     assert auto.kernels("gpu", 1).row() == xla
     best = {"ssm_kernel": "pallas", "attention": "pallas", "tts_attention": "pallas_mha"}
     assert auto.kernels("gpu", 112).row() == best | {"projection": "xla"} | codec
-    for field in codec:
-        asked = ServeConfig(slots=4, **{field: True}).kernels("gpu", 112).row()
-        assert asked == best | {"projection": "xla"} | codec | {field: "True"}
+    for fields in (["codec_stream"], ["codec_in_attention"], list(codec)[1:]):
+        asked = ServeConfig(slots=4, **dict.fromkeys(fields, True)).kernels("gpu", 112).row()
+        assert asked == best | {"projection": "xla"} | codec | dict.fromkeys(fields, "True")
     with pytest.raises(ValueError, match="two places for one codec"):
         ServeConfig(slots=4, codec_stream=True, codec_in_attention=True).kernels("gpu", 112)
     with pytest.raises(ValueError, match="codec_in_attention runs the codec's products in full"):
         ServeConfig(slots=4, codec_in_attention=True, precision="tf32_codec")
+    with pytest.raises(ValueError, match="codec_frame_behind places the codec in the attention"):
+        ServeConfig(slots=4, codec_frame_behind=True)
     for field, (kernel, from_slots) in AUTO_KERNELS.items():
         assert auto.kernels("gpu", from_slots).row()[field] == kernel
         assert auto.kernels("gpu", from_slots - 1).row()[field] == "xla"

@@ -23,7 +23,8 @@ from voicechat_jax import callback_cache
 from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import Kernels, ServeConfig, tiny
-from voicechat_jax.model import conformer, rnnt, voicechat
+from voicechat_jax.model import codec as codec_lib
+from voicechat_jax.model import conformer, ear_tts, rnnt, voicechat
 from voicechat_jax.precision import Precision
 from voicechat_jax.serving import runner
 from voicechat_jax.serving.server import Engine, Server, SessionPlan, session_key
@@ -242,6 +243,45 @@ def test_served_frames_equal_the_model_alone(engine, params):
             np.testing.assert_array_equal(out.codes[0], codes[t])
             np.testing.assert_allclose(out.wav[0], wav[t], rtol=0, atol=1e-5)
         chex.assert_trees_all_close(other, state, atol=1e-5, rtol=0)
+
+    # The codec a frame behind (``codec_frame_behind``), beside a slot that does not run and
+    # holds a pending frame of its own: the same tokens and codes; the waveform one frame later,
+    # led by a frame of silence; the last frame's codes pending, and decoding them gives its
+    # audio and the codec state of the codec in time. The slot that does not run is unchanged.
+    behind = jax.jit(
+        functools.partial(
+            voicechat.advance,
+            cfg=CFG,
+            precision=PREC,
+            deterministic=False,
+            kernels=Kernels(codec_in_attention=True, codec_frame_behind=True),
+        )
+    )
+    fresh = voicechat.initial_state(
+        params, cfg=CFG, precision=PREC, max_len=64, codec_frame_behind=True
+    )
+    idle = fresh.replace(codec=fresh.codec.replace(pending=jnp.zeros_like(fresh.codec.pending)))
+    pair = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), fresh, idle)
+    run, keys, lagged = jnp.asarray([True, False]), jnp.concatenate([key, key]), []
+    for t in range(6):
+        beat = jnp.asarray(np.stack([x[t * BEAT : (t + 1) * BEAT]] * 2))
+        pair, out = behind(params, pair, beat, keys, run)
+        np.testing.assert_array_equal(out.text[0], text[t])
+        np.testing.assert_array_equal(out.codes[0], codes[t])
+        lagged.append(np.asarray(out.wav[0]))
+    chex.assert_trees_all_equal(jax.tree.map(lambda a: a[1:], pair), idle)
+    spf, whole = CFG.codec.samples_per_frame, np.concatenate(wav)
+    np.testing.assert_array_equal(lagged[0][:spf], 0.0)
+    np.testing.assert_allclose(np.concatenate(lagged)[spf:], whole[:-spf], rtol=0, atol=1e-5)
+    last = jax.tree.map(lambda a: a[:1], pair)
+    waiting = ear_tts.replace_control_codes(params.tts, out.codes[0, -1])
+    np.testing.assert_array_equal(last.codec.pending[0], waiting)
+    flushed, tail = codec_lib.decode_step(
+        params.codec, last.codec, last.codec.pending[:, None], cfg=CFG.codec
+    )
+    np.testing.assert_allclose(tail[0], whole[-spf:], rtol=0, atol=1e-5)
+    chex.assert_trees_all_close(flushed.replace(pending=None), state.codec, atol=1e-5, rtol=0)
+    chex.assert_trees_all_close(last.replace(codec=state.codec), state, atol=1e-5, rtol=0)
 
 
 def _sliced_weights(params, template) -> set[str]:

@@ -418,14 +418,22 @@ AUTO_KERNELS = {
 
 
 def check_codec_placement(
-    codec_stream: bool, codec_in_attention: bool, codec_matmul: str | None = None
+    codec_stream: bool,
+    codec_in_attention: bool,
+    codec_matmul: str | None = None,
+    codec_frame_behind: bool = False,
 ) -> None:
-    """Raises ValueError (one line) for a codec placed twice, or placed in the attention launches
+    """Raises ValueError (one line) for a codec placed twice, placed in the attention launches
     (full-fp32 products) under a policy whose codec products are not full fp32 (``codec_matmul``,
-    ``Precision.codec_matmul``; None: not known here)."""
+    ``Precision.codec_matmul``; None: not known here), or a frame behind anywhere else."""
     _check(
         not (codec_stream and codec_in_attention),
         "codec_stream and codec_in_attention are two places for one codec: choose one",
+    )
+    _check(
+        not codec_frame_behind or codec_in_attention,
+        "codec_frame_behind places the codec in the attention launches: it needs "
+        "codec_in_attention",
     )
     _check(
         not codec_in_attention or codec_matmul in (None, "float32"),
@@ -452,6 +460,9 @@ class Kernels:
     # the beat's frames unrolled, each frame's codec products in the next frame's speech-decoder
     # attention launches (``model.beside``; ``ServeConfig.codec_in_attention``)
     codec_in_attention: bool = False
+    # with codec_in_attention, the codec a frame behind: the beat's last frame's products in the
+    # next beat's first attention launches (``ServeConfig.codec_frame_behind``)
+    codec_frame_behind: bool = False
 
     def __post_init__(self):
         for field, cls in (
@@ -463,7 +474,9 @@ class Kernels:
             value = _choice(cls, getattr(self, field), field)
             _check(value != "auto", f"{field}: 'auto' must be resolved (ServeConfig.kernels)")
             object.__setattr__(self, field, value)
-        check_codec_placement(self.codec_stream, self.codec_in_attention)
+        check_codec_placement(
+            self.codec_stream, self.codec_in_attention, None, self.codec_frame_behind
+        )
 
     def row(self) -> dict[str, str]:
         """The choices by name (for rows and logs)."""
@@ -512,6 +525,13 @@ class ServeConfig:
     # ``model.beside``; fused where that attention is the G = 1 Pallas kernel, 'pallas_mha').
     # The same tokens and codes; the waveform to fp32 rounding. Full-fp32 codec policies only.
     codec_in_attention: bool = False
+    # Experimental, for measuring the tick (``experiments/tick_profile``), not for serving: with
+    # ``codec_in_attention``, the codec a frame behind the speech decoder, so that every frame's
+    # codec products ride in attention launches, the beat's last frame's in the next beat's first
+    # (``Kernels.codec_frame_behind``; the frame's codes wait in ``CodecState.pending``). The same
+    # tokens and codes; each session's audio comes out one frame (80 ms) later, led by a frame of
+    # silence, and a session's last frame is never decoded (nothing flushes it yet).
+    codec_frame_behind: bool = False
     deadline_ms: float | None = None  # default: the beat period
     capsule_tokens: int = 96  # U: room for a roll-over's conversation capsule (token ids)
     # Benchmarks only: every live slot's attention caches held full (``step.hold_full``), so a
@@ -535,7 +555,10 @@ class ServeConfig:
             object.__setattr__(self, "precision", precision_lib.policy(self.precision))
         _check(isinstance(self.precision, Precision), f"precision: {self.precision!r}")
         check_codec_placement(
-            self.codec_stream, self.codec_in_attention, self.precision.codec_matmul
+            self.codec_stream,
+            self.codec_in_attention,
+            self.precision.codec_matmul,
+            self.codec_frame_behind,
         )
         for field, cls in (
             ("at_cap", AtCap),
@@ -596,6 +619,7 @@ class ServeConfig:
             r.projection,
             r.codec_stream,
             r.codec_in_attention,
+            r.codec_frame_behind,
         )
 
     @property

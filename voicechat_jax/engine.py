@@ -817,6 +817,7 @@ def template_fn(cfg: ModelConfig, serve: ServeConfig) -> Callable:
                 max_len=serve.context_frames,
                 system_prompt=serve.system_prompt,
                 deterministic=serve.deterministic,
+                codec_frame_behind=serve.codec_frame_behind,
             )
 
     return initial

@@ -48,6 +48,11 @@ flags.DEFINE_bool("codec_stream", False, "Each frame's codec step on a second GP
 flags.DEFINE_bool(
     "codec_in_attention", False, "Each frame's codec products in the next frame's attention."
 )
+flags.DEFINE_bool(
+    "codec_frame_behind",
+    False,
+    "With codec_in_attention, the codec a frame behind: every frame's products in attention.",
+)
 flags.DEFINE_integer("ticks", 3, "Ticks in the trace.", lower_bound=1)
 flags.DEFINE_integer("probe_ticks", 5, "Ticks timed back to back without the profiler.")
 flags.DEFINE_string("out_dir", None, "Rows, table, traces and HLO (default $OUT, else runs/).")
@@ -126,6 +131,7 @@ def profile_slots(n: int, params, cfg, template, out_dir: pathlib.Path, rows: Ro
         projection=FLAGS.projection,
         codec_stream=FLAGS.codec_stream,
         codec_in_attention=FLAGS.codec_in_attention,
+        codec_frame_behind=FLAGS.codec_frame_behind,
         hold_full=FLAGS.hold_full,
     )
     engine = Engine(params, cfg, serve, template=template)

@@ -131,6 +131,9 @@ class CodecState:
 
     conv: tuple[jax.Array, ...]  # per decoder stage s: [B, L, k - 1, C_s] last inputs per block
     istft: jax.Array  # [B, S, W] last S windowed inverse-FFT frames (S = 4 in the release)
+    # [B, Q] int32: the codes of a frame made and not yet decoded, -1 where none (the codec a
+    # frame behind the speech decoder, ``Kernels.codec_frame_behind``); None otherwise
+    pending: jax.Array | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,8 +235,11 @@ def abstract(cfg: CodecConfig, precision: Precision) -> CodecParams:
     return jax.eval_shape(lambda k: init(k, cfg, precision), jax.random.key(0))
 
 
-def init_state(cfg: CodecConfig, batch: int, precision: Precision) -> CodecState:
-    """The state of a fresh stream (zeros, as NeMo's ``CausalConv1dCache`` starts)."""
+def init_state(
+    cfg: CodecConfig, batch: int, precision: Precision, *, pending: bool = False
+) -> CodecState:
+    """The state of a fresh stream (zeros, as NeMo's ``CausalConv1dCache`` starts); with
+    ``pending``, room for one frame's codes waiting to be decoded (none yet)."""
     dt = precision.codec
     k = cfg.kernel_size
     return CodecState(
@@ -241,6 +247,7 @@ def init_state(cfg: CodecConfig, batch: int, precision: Precision) -> CodecState
             jnp.zeros((batch, cfg.num_blocks, k - 1, C), dt) for _, C, _ in _decoder_dims(cfg)
         ),
         istft=jnp.zeros((batch, _istft_tail(cfg), cfg.n_fft), dt),
+        pending=jnp.full((batch, cfg.n_quantizers), -1, jnp.int32) if pending else None,
     )
 
 
@@ -480,7 +487,7 @@ def _stream_out(
     n = (frames.shape[1] - S) * hop
     wav = _overlap_add(frames, hop)[:, start : start + n]
     wav = wav / _envelope(frames.shape[1], cfg, wav.dtype)[start : start + n]
-    return CodecState(conv=conv, istft=frames[:, frames.shape[1] - S :]), wav
+    return state.replace(conv=conv, istft=frames[:, frames.shape[1] - S :]), wav
 
 
 def decode_step_products(

@@ -212,7 +212,13 @@ def advance(
         the LLM's Mamba step update and decode attention (``model.attention``), the speech
         decoder's attention, and the LLM's MLP and Mamba projections.
     """
-    check_codec_placement(kernels.codec_stream, kernels.codec_in_attention, precision.codec_matmul)
+    check_codec_placement(
+        kernels.codec_stream,
+        kernels.codec_in_attention,
+        precision.codec_matmul,
+        kernels.codec_frame_behind,
+    )
+    _check_pending(state.codec, kernels.codec_frame_behind)
     B = audio.shape[0]
     run = jnp.ones((B,), bool) if run is None else run
     enc_state, enc, proj = conformer.encoder_step(
@@ -275,21 +281,36 @@ def advance(
         wav = jnp.concatenate(wavs, axis=1)
     elif kernels.codec_in_attention:
         # The frames unrolled; each frame's codec products ride in the next frame's speech
-        # decoder attention launches (``model.beside``), the last frame's run after it.
-        outs, wavs, codec_state, beside = [], [], state.codec, None
-        for t in range(proj.shape[1]):
-            carry, out_t = one(carry, proj[:, t], beside)
-            if beside is not None:
-                codec_state, wav_t = beside.finish()
-                wavs.append(wav_t)
-            beside = Beside(
-                codec.decode_step_products(
-                    params.codec, codec_state, out_t[3][:, None], cfg=cfg.codec
+        # decoder attention launches (``model.beside``), the last frame's run after it, or, a
+        # frame behind, the previous beat's last frame's (``CodecState.pending``) in this beat's
+        # first and this beat's last frame's left pending.
+        codec_state, T = state.codec, proj.shape[1]
+        behind = kernels.codec_frame_behind
+        codes_in = jnp.maximum(codec_state.pending, 0) if behind else None
+        has = codec_state.pending[:, 0] >= 0 if behind else None  # [B] a frame is pending
+        outs, wavs = [], []
+        for t in range(T + (0 if behind else 1)):
+            beside = None
+            if codes_in is not None:
+                beside = Beside(
+                    codec.decode_step_products(
+                        params.codec, codec_state, codes_in[:, None], cfg=cfg.codec
+                    )
                 )
-            )
-            outs.append(out_t)
-        codec_state, wav_t = beside.finish()
-        wavs.append(wav_t)
+            if t < T:
+                carry, out_t = one(carry, proj[:, t], beside)
+                outs.append(out_t)
+                codes_in = out_t[3]
+            if beside is not None:
+                decoded, wav_t = beside.finish()
+                if has is not None:  # a session's first frame: nothing was pending
+                    decoded = keep_rows(has, decoded, codec_state)
+                    wav_t = jnp.where(has[:, None], wav_t, 0.0)
+                    has = None
+                codec_state = decoded
+                wavs.append(wav_t)
+        if behind:
+            codec_state = codec_state.replace(pending=codes_in)
         text, func, codes, dec_codes = (jnp.stack(x) for x in zip(*outs, strict=True))
         wav = jnp.concatenate(wavs, axis=1)
     else:
@@ -318,6 +339,16 @@ def advance(
     return new_state, out
 
 
+def _check_pending(codec_state: codec.CodecState, frame_behind: bool) -> None:
+    """The state has a pending codec frame exactly when the codec runs a frame behind."""
+    if (codec_state.pending is not None) != frame_behind:
+        has = "has" if codec_state.pending is not None else "has no"
+        raise ValueError(
+            f"the state {has} a pending codec frame (CodecState.pending) and the kernels' "
+            f"codec_frame_behind is {frame_behind}: build the template with the same choice"
+        )
+
+
 def _frame_keys(key: jax.Array, frame: jax.Array) -> jax.Array:
     """[B] typed keys: session key ``key[b]`` folded with the session's frame index."""
     return jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key), frame)
@@ -331,6 +362,7 @@ def initial_state(
     max_len: int,
     system_prompt: tuple[int, ...] = (),
     deterministic: bool = False,
+    codec_frame_behind: bool = False,
 ) -> FrameState:
     """The fresh-session state (batch 1): computed once at start-up, copied in on admission.
 
@@ -346,6 +378,8 @@ def initial_state(
       max_len: the context cap in frames (``ServeConfig.context_frames``); caches get room for it
         plus the prompts.
       system_prompt: token ids, passed as NeMo takes them (it adds no BOS/EOS itself).
+      codec_frame_behind: the codec state with room for a pending frame (none yet), for
+        ``Kernels.codec_frame_behind``.
     """
     U = len(system_prompt)
     silence = jnp.zeros((1, ear_tts.prompt_samples(cfg)), jnp.float32)
@@ -359,7 +393,7 @@ def initial_state(
         max_len=cfg.tts.prompt_frames + U + max_len,
     )
     llm_state = nano.init_state(cfg.llm, 1, U + max_len, precision)
-    codec_state = codec.init_state(cfg.codec, 1, precision)
+    codec_state = codec.init_state(cfg.codec, 1, precision, pending=codec_frame_behind)
     pad = jnp.full((1,), PAD_ID, jnp.int32)
     if U:
         ids = jnp.asarray(system_prompt, jnp.int32)[None]  # [1, U]
