@@ -213,23 +213,32 @@ def test_step_as_products_equals_the_step(cfg, params, codes, ours_stream):
     no attention launch takes them) decodes the stream ``decode_step`` decodes, one frame a call
     and two, with the same state."""
 
-    @functools.partial(jax.jit, static_argnames="cfg")
-    def by_products(params, state, codes, cfg):
-        gen = codec.decode_step_products(params, state, codes, cfg=cfg)
-        return beside.Beside(gen).finish()  # every product by XLA's dot
+    asked = []
+
+    @functools.partial(jax.jit, static_argnames=("cfg", "launches"))
+    def by_products(params, state, codes, cfg, launches):
+        gen = codec.decode_step_products(params, state, codes, cfg=cfg, launches=launches)
+        products = beside.Beside(gen)
+        out = products.finish()  # every product by XLA's dot
+        asked.append(products.asked)
+        return out
 
     spf = cfg.samples_per_frame
-    for k in (1, 2):
+    n = len(codec._product_flops(params, B))
+    # one frame a call, and two, the second with three places more than products: the three
+    # largest then come in halves of their rows
+    for k, launches in ((1, None), (2, n + 3)):
         state = codec.init_state(cfg, B, Precision.fp32())
         ref_state = state
         out = []
         for t in range(0, 4, k):
             chunk = jnp.asarray(codes[:, t : t + k])
-            state, wav = by_products(params, state, chunk, cfg=cfg)
+            state, wav = by_products(params, state, chunk, cfg=cfg, launches=launches)
             ref_state, _ = codec.decode_step(params, ref_state, chunk, cfg=cfg)
             out.append(np.asarray(wav))
         assert rel_err(np.concatenate(out, axis=1), ours_stream[:, : 4 * spf]) <= 1e-5
         chex.assert_trees_all_close(state, ref_state, atol=1e-5, rtol=0)
+    assert asked == [n, n + 3]  # each program traced once
 
 
 @pytest.mark.parametrize("kind", ["noise", "silence"])

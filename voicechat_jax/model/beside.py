@@ -50,12 +50,14 @@ class Beside:
         self._gen = products
         self._result = None
         self._request = None
+        self.asked = 0  # products asked for (for tests and logs)
+        self.fused = 0  # of them, run inside an attention launch
         self._advance(None)
-        self.fused = 0  # products run inside an attention launch (for tests and logs)
 
     def _advance(self, y: jax.Array | None) -> None:
         try:
             self._request = next(self._gen) if y is None else self._gen.send(y)
+            self.asked += 1
         except StopIteration as stop:
             self._request, self._result = None, stop.value
 

@@ -490,8 +490,35 @@ def _stream_out(
     return state.replace(conv=conv, istft=frames[:, frames.shape[1] - S :]), wav
 
 
+def _product_flops(params: CodecParams, rows: int) -> list[int]:
+    """The multiply-adds of ``decode_step_products``' products in order, for ``rows`` = B * T."""
+    flops = []
+    for stage in params.decoder.stages:
+        C_in, C, r = stage.up.shape
+        flops.append(rows * C_in * r * C)
+        rows *= r
+        F = stage.blocks.pw1.shape[-1]
+        flops += [rows * C * F, rows * F * C] * stage.blocks.dw.shape[0]
+    return flops
+
+
+def _in_pieces(x: jax.Array, w: jax.Array, pieces: int):
+    """``x @ w`` asked for as ``pieces`` products of consecutive rows (a sub-generator)."""
+    if pieces == 1:
+        return (yield x, w)
+    parts = []
+    for part in jnp.array_split(x, pieces):
+        parts.append((yield part, w))
+    return jnp.concatenate(parts)
+
+
 def decode_step_products(
-    params: CodecParams, state: CodecState, codes: jax.Array, *, cfg: CodecConfig
+    params: CodecParams,
+    state: CodecState,
+    codes: jax.Array,
+    *,
+    cfg: CodecConfig,
+    launches: int | None = None,
 ) -> Generator[tuple[jax.Array, jax.Array], jax.Array, tuple[CodecState, jax.Array]]:
     """``decode_step`` (full fp32) as a generator of its large products, for whoever runs them.
 
@@ -503,23 +530,38 @@ def decode_step_products(
     ``model.beside.Beside`` runs its products inside the speech decoder's attention launches,
     and XLA's dot for the rest (``Beside.finish`` alone: every product by XLA). Same math as
     ``decode_step``; the sums may be taken in another order (fp32 rounding).
+
+    ``launches``: the places there are for products (the speech decoder's layers, one attention
+    launch each). Where they outnumber the products, the largest products are asked for in two
+    halves of their rows, the largest first, until every place has one (at the 11B, 21
+    products for 28 layers: the last stage's six pointwise products, 50 GFLOP each at 96
+    slots, and the middle stage's first, in halves), so that no launch carries far more
+    product than the others.
     """
     _check_cfg(cfg)
     latent = codes_to_latent(params, codes).astype(state.istft.dtype)
+    flops = _product_flops(params, latent.shape[0] * latent.shape[1])
+    spare = max(0, (launches or 0) - len(flops))
+    halved = set(sorted(range(len(flops)), key=lambda i: (-flops[i], i))[:spare])
+    order = iter(range(len(flops)))
+
+    def product(x, w):  # the next product, in halves if it is among the largest
+        return (yield from _in_pieces(x, w, 2 if next(order) in halved else 1))
+
     x, conv = latent, []
     for stage, tails in zip(params.decoder.stages, state.conv, strict=True):
         C_in, C, r = stage.up.shape
         B, T, _ = x.shape
         up = jnp.swapaxes(stage.up, 1, 2).reshape(C_in, r * C).astype(x.dtype)  # [in, (r, out)]
-        y = yield x.reshape(B * T, C_in), up
+        y = yield from product(x.reshape(B * T, C_in), up)
         x = y.reshape(B, T * r, C)
         new_tails = []
         for l in range(stage.blocks.dw.shape[0]):
             p = jax.tree.map(lambda a, l=l: a[l], stage.blocks)
             h, tail = _convnext_in(p, x, tails[:, l])
-            y = yield h.reshape(-1, C), p.pw1[0].astype(x.dtype)
+            y = yield from product(h.reshape(-1, C), p.pw1[0].astype(x.dtype))
             h = jax.nn.gelu(y + p.pw1_b.astype(x.dtype), approximate=False)  # torch nn.GELU()
-            y = yield h, p.pw2[0].astype(x.dtype)
+            y = yield from product(h, p.pw2[0].astype(x.dtype))
             x = x + (y + p.pw2_b.astype(x.dtype)).reshape(x.shape)
             new_tails.append(tail)
         conv.append(jnp.stack(new_tails, axis=1))

@@ -294,7 +294,12 @@ def advance(
             if codes_in is not None:
                 beside = Beside(
                     codec.decode_step_products(
-                        params.codec, codec_state, codes_in[:, None], cfg=cfg.codec
+                        params.codec,
+                        codec_state,
+                        codes_in[:, None],
+                        cfg=cfg.codec,
+                        # one attention launch a layer, none after the last frame
+                        launches=cfg.tts.n_layers if t < T else None,
                     )
                 )
             if t < T:
