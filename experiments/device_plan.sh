@@ -45,11 +45,12 @@ full="--hold_full=true --slots=$slots"
 # sessions beside each of the first frame's codec products and the backbone's, in one launch
 # (experiments/attention_product, added 2026-12-06; a few minutes; on either card: the first
 # GPU rows of pallas_kernels/attention_product.py)
-# (then the largest products again at 2 stages: compiled for sm_90a here, one launch at the
+# (and, after the tick profiles, the largest products again at 2 stages: compiled for sm_90a here, one launch at the
 # 64 x 64 x 32 product tile takes 188 registers a thread at 2 stages and 130 at 3, the launch's
 # default, against the attention's 134 alone; README)
 fused="python3 experiments/attention_product/run.py --slots=96 --out=$R/attention_product.jsonl \
-$log; python3 experiments/attention_product/run.py --slots=96 --num_stages=2 \
+$log"
+stages2="python3 experiments/attention_product/run.py --slots=96 --num_stages=2 \
 --products=codec_pw1_3,codec_pw2_3,codec_pw1_2,tts_gate_up --label=stages2 \
 --out=$R/attention_product.jsonl $log"
 # then in the tick (codec_in_attention, added 2026-12-06: each frame's codec products in the next
@@ -63,11 +64,13 @@ $prof $full --codec_in_attention --out_dir=/tmp/tp_cia_$slots $log; $(keep_profi
 $prof $full --codec_in_attention --codec_frame_behind --out_dir=/tmp/tp_cfb_$slots $log; \
 $(keep_profile cfb_$slots)"
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
-  # issue 30: the resident loop (the default on one device since fa8f3ea, chosen on H100s) at
-  # the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then the aims
-  # (96 faithful, 128 bf16) on the default loop, then issue 33's tick.
-  # the kernel-level probe first (a call cut short by the device time still brings it back)
-  cmds=("$fused" "$cap --sessions=80 --policies=reference --loops=resident $log" "$beside")
+  # issue 33's overlap first, at the kernel and in the tick (a call cut short by the device time
+  # still answers whether it pays); then issue 30: the resident loop (the default on one device
+  # since fa8f3ea, chosen on H100s) at the target's count, against the dispatch loop's 127.0 ms
+  # p99 of 2026-12-05; then the aims (96 faithful, 128 bf16) on the default loop, and issue 33's
+  # tick at 112.
+  cmds=("$fused" "$beside" "$cap --sessions=80 --policies=reference --loops=resident $log")
+  cmds+=("$stages2")
   # a second start of the same point: its resident loop loaded from the cache (callback_cache,
   # 88f9fa3) instead of compiled; the row's compile_s says how long the load took (4 s of
   # serving: the row holds nothing, by --min_ticks)
@@ -83,7 +86,7 @@ else  # an H100 (2026-12-06: 84 bf16 held on the resident loop at ad5eda7, p99 1
   # dispatch loop at 0ced39c on another machine, p99 134.7; 51 faithful on both loops at
   # 94d43d0; its second start loaded the resident loop in 13.2 s; 92 bf16 do not fit, 85 do)
   # the 84-session bf16 pair on one machine, which the rows lack: dispatch, then resident
-  cmds=("$fused" "$beside")
+  cmds=("$fused" "$beside" "$stages2")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()
