@@ -51,7 +51,7 @@ full="--hold_full=true --slots=$slots"
 fused="python3 experiments/attention_product/run.py --slots=96 --out=$R/attention_product.jsonl \
 $log"
 stages2="python3 experiments/attention_product/run.py --slots=96 --num_stages=2 \
---products=codec_pw1_3,codec_pw2_3,codec_pw1_2,tts_gate_up --label=stages2 \
+--products=codec_pw1_3_half,codec_pw2_3_half,codec_pw1_2,tts_gate_up --label=stages2 \
 --out=$R/attention_product.jsonl $log"
 # then in the tick (codec_in_attention, added 2026-12-06: each frame's codec products in the next
 # frame's 28 attention launches, 21 of them fused at 11B), against the reference tick on the

@@ -18,11 +18,13 @@ launch took off against the two; ``same``: the one launch's outputs equal the tw
 launches' bit for bit (the attention and the product); ``vs_xla_max_abs``: the Pallas product
 against XLA's. The products are the first frame's codec products (``codec.decode_step``: each
 stage's transposed-conv product, then its ConvNeXt blocks' two products, rows = slots x the
-stage's steps a frame) and the speech decoder's four weight products at one CFG half of its rows
+stage's steps a frame; the largest in halves of their rows, ``_half``, as the tick asks for
+them since da10f40) and the speech decoder's four weight products at one CFG half of its rows
 (the rows a slot-split pipeline would run beside the other half's attention). Rows go to
 ``--out``; a table is printed last, with ``saving_ms`` = (serial - interleaved) times the
-product's count a beat (the codec's first frame: one a layer launch; the backbone: 28 layers
-x 2 frames), an estimate from per-layer rows, not a tick measurement.
+product's count a beat (the codec's first frame: one a layer launch, both frames a frame
+behind; the backbone: 28 layers x 2 frames), an estimate from per-layer rows, not a tick
+measurement.
 
     PYTHONPATH=. python3 experiments/attention_product/run.py --out=rows.jsonl
     PYTHONPATH=. python3 experiments/attention_product/run.py --tiny --interpret  # CPU check
@@ -74,17 +76,31 @@ class Product:
 
 
 def products(cfg: config_lib.ModelConfig, slots: int) -> list[Product]:
-    """The first frame's codec products and the speech decoder's at half its CFG rows."""
+    """A frame's codec products as the tick asks for them, and the speech decoder's at half its
+    CFG rows.
+
+    The codec's are ``codec.decode_step_products``' with one place a speech-decoder layer: the
+    largest in two halves of their rows (``_half``, counted twice) until each layer has one.
+    """
     codec, tts = cfg.codec, cfg.tts
-    out, steps, c_in = [], 1, codec.latent_size
+    asked, steps, c_in = [], 1, codec.latent_size  # (name, M, C, F) in the generator's order
     mults, rates = tuple(reversed(codec.channel_mult)), tuple(reversed(codec.rates))
     for s, (m, r) in enumerate(zip(mults, rates, strict=True), 1):
         C = codec.base_hidden * m
-        out.append(Product(f"codec_up{s}", slots * steps, c_in, C * r, 1))
+        asked.append((f"codec_up{s}", slots * steps, c_in, C * r))
         steps *= r
-        out.append(Product(f"codec_pw1_{s}", slots * steps, C, 4 * C, codec.num_blocks))
-        out.append(Product(f"codec_pw2_{s}", slots * steps, 4 * C, C, codec.num_blocks))
+        for _ in range(codec.num_blocks):
+            asked.append((f"codec_pw1_{s}", slots * steps, C, 4 * C))
+            asked.append((f"codec_pw2_{s}", slots * steps, 4 * C, C))
         c_in = C
+    spare = max(0, tts.n_layers - len(asked))  # the rule of decode_step_products(launches=)
+    flops = [M * C * F for _, M, C, F in asked]
+    halved = set(sorted(range(len(asked)), key=lambda i: (-flops[i], i))[:spare])
+    counts: dict[tuple, int] = {}
+    for i, (name, M, C, F) in enumerate(asked):
+        key = (f"{name}_half", -(-M // 2), C, F) if i in halved else (name, M, C, F)
+        counts[key] = counts.get(key, 0) + (2 if i in halved else 1)
+    out = [Product(name, M, C, F, n) for (name, M, C, F), n in counts.items()]
     D, H, per = tts.d_model, tts.head_dim, 2 * tts.n_layers
     for name, C, F in (
         ("tts_qkv", D, (tts.n_heads + 2 * tts.n_kv_heads) * H),
@@ -208,8 +224,9 @@ def main(argv):
         )
     codec = sum(r["saving_ms"] for r in rows if r["name"].startswith("codec"))
     tts = sum(r["saving_ms"] for r in rows if r["name"].startswith("tts"))
-    print(f"estimated saving a beat (per-layer rows x counts): codec first frame {codec:.2f} ms, "
-          f"speech decoder half-rows {tts:.2f} ms")  # fmt: skip
+    print(f"estimated saving a beat (per-layer rows x counts): codec first frame {codec:.2f} ms "
+          f"(a frame behind, both frames: {2 * codec:.2f} ms), speech decoder half-rows "
+          f"{tts:.2f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":
