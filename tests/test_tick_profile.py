@@ -138,6 +138,27 @@ def test_classify(hlo, sources):
     assert comp("cp") == "LLM Mamba"  # added by XLA: its operand's stack
 
 
+def test_codec_in_attention_is_classified(sources):
+    """With ``codec_in_attention``: the one launch of attention and product is its own
+    component; the codec's code resumed inside the speech decoder, and XLA's products for it,
+    are the codec's."""
+    R = "/elsewhere/repo/"
+
+    def at(path, function, line=2):
+        return reduce_lib.Frame(R + path, function, line, line)
+
+    forward = at("voicechat_jax/model/gemma.py", "forward")  # the attend() line
+    attend = at("voicechat_jax/model/beside.py", "Beside.attend")
+    fused = at("pallas_kernels/attention_product.py", "attention_and_product")
+    resumed = at("voicechat_jax/model/codec.py", "decode_step_products")
+    by_xla = at("voicechat_jax/model/beside.py", "xla_product")
+    classify = reduce_lib.classify
+    assert classify([forward, attend, fused], sources) == "TTS attention + codec products"
+    assert classify([forward, attend, resumed], sources) == "codec"
+    assert classify([forward, attend, by_xla], sources) == "codec"
+    assert classify([forward], sources) == "TTS backbone attention"
+
+
 def test_a_gemm_fusion_is_its_products(sources):
     """A fusion that holds a product is classified by the product, not by its root: a fused
     q|k|v's kernel whose root is the split of its columns, or a norm fused before a product."""

@@ -54,6 +54,7 @@ COMPONENTS = (
     "TTS text side + fusion",
     "TTS backbone weight slices",
     "TTS backbone attention",
+    "TTS attention + codec products",
     "TTS backbone projections",
     "TTS backbone MLP",
     "TTS backbone norms/residual",
@@ -532,7 +533,13 @@ def classify(stack: Sequence[Frame], sources: Sources) -> str:
         return "encoder"
     if frame("rnnt"):
         return "RNNT"
-    if frame("codec", "decode_step"):
+    # ``codec_in_attention``: the one launch of the speech decoder's attention and a codec
+    # product (``pallas_kernels.attention_product``), then the codec's own code wherever its
+    # product generator runs (resumed inside ``gemma.forward`` by ``model.beside``) and the
+    # products XLA runs for it (``beside.xla_product``)
+    if frame("attention_product"):
+        return "TTS attention + codec products"
+    if frame("codec") or frame("beside", "xla_product"):
         return "codec"
     if frame("nano", "_mamba_step", "_mamba_step_fused"):
         return "LLM Mamba"
