@@ -59,6 +59,11 @@ stages2="python3 experiments/attention_product/run.py --slots=96 --num_stages=2 
 # (and then a frame behind, codec_frame_behind, added 2026-12-07: every frame's codec in attention
 # launches, the beat's last frame's in the next beat's first, 42 fused at 11B; the audio 80 ms
 # later)
+# The fused launch needs the speech decoder's G = 1 kernel, the auto choice from 56 slots: below
+# that (40 on an H100) all three profiles ask for it, the reference too, so that they differ in
+# the codec's place only (without it, 0 fused launches at 40: experiments/lower_for_cuda.py).
+g1=$((slots >= 56 ? 0 : 1))
+if ((g1)); then full+=" --tts_attention=pallas_mha"; fi
 beside="$prof $full --out_dir=/tmp/tp_ref_$slots $log; $(keep_profile ref_$slots); \
 $prof $full --codec_in_attention --out_dir=/tmp/tp_cia_$slots $log; $(keep_profile cia_$slots); \
 $prof $full --codec_in_attention --codec_frame_behind --out_dir=/tmp/tp_cfb_$slots $log; \
