@@ -44,6 +44,7 @@ from experiments import harness
 from pallas_kernels import attention_product as ap
 from pallas_kernels.mha_decode_attention import MHABlocks, default_blocks, mha_decode_attention
 from voicechat_jax import config as config_lib
+from voicechat_jax.model import codec as codec_lib
 from voicechat_jax.model.beside import xla_product
 
 FLAGS = flags.FLAGS
@@ -93,9 +94,7 @@ def products(cfg: config_lib.ModelConfig, slots: int) -> list[Product]:
             asked.append((f"codec_pw1_{s}", slots * steps, C, 4 * C))
             asked.append((f"codec_pw2_{s}", slots * steps, 4 * C, C))
         c_in = C
-    spare = max(0, tts.n_layers - len(asked))  # the rule of decode_step_products(launches=)
-    flops = [M * C * F for _, M, C, F in asked]
-    halved = set(sorted(range(len(asked)), key=lambda i: (-flops[i], i))[:spare])
+    halved = codec_lib.halved_products([M * C * F for _, M, C, F in asked], tts.n_layers)
     counts: dict[tuple, int] = {}
     for i, (name, M, C, F) in enumerate(asked):
         key = (f"{name}_half", -(-M // 2), C, F) if i in halved else (name, M, C, F)

@@ -51,7 +51,7 @@ window / FFT size (``n_fft``), ``R`` frequency bins (``n_fft // 2 + 1``).
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -502,6 +502,14 @@ def _product_flops(params: CodecParams, rows: int) -> list[int]:
     return flops
 
 
+def halved_products(flops: Sequence[int], launches: int | None) -> set[int]:
+    """Which of products costing ``flops`` (in order) ``decode_step_products`` asks for in two
+    halves of their rows with ``launches`` places for them: the largest (the earlier of equals)
+    until every place has a product."""
+    spare = max(0, (launches or 0) - len(flops))
+    return set(sorted(range(len(flops)), key=lambda i: (-flops[i], i))[:spare])
+
+
 def _in_pieces(x: jax.Array, w: jax.Array, pieces: int):
     """``x @ w`` asked for as ``pieces`` products of consecutive rows (a sub-generator)."""
     if pieces == 1:
@@ -541,8 +549,7 @@ def decode_step_products(
     _check_cfg(cfg)
     latent = codes_to_latent(params, codes).astype(state.istft.dtype)
     flops = _product_flops(params, latent.shape[0] * latent.shape[1])
-    spare = max(0, (launches or 0) - len(flops))
-    halved = set(sorted(range(len(flops)), key=lambda i: (-flops[i], i))[:spare])
+    halved = halved_products(flops, launches)
     order = iter(range(len(flops)))
 
     def product(x, w):  # the next product, in halves if it is among the largest
