@@ -53,6 +53,14 @@ $log"
 stages2="python3 experiments/attention_product/run.py --slots=96 --num_stages=2 \
 --products=codec_pw1_3_half,codec_pw2_3_half,codec_pw1_2,tts_gate_up --label=stages2 \
 --out=$R/attention_product.jsonl $log"
+# issue 33, step 2, in our own kernel (added 2026-12-07): every fp32 product of a frame at 96
+# sessions as pallas_kernels.matmul's 'tf32x3' (three TF32 passes a D step, the steps summed by
+# a compensated add on the FMA units), its default step and 16 rows, against XLA's full fp32: is
+# its error against float64 at most full fp32's on every shape (XLA's own three-pass preset was
+# not, on the codec's long contractions), and how much faster? Compiled for sm_90a here, no
+# spills (experiments/fp32_products/ptx_check.py). A few minutes; on either card.
+tf32x3="python3 experiments/fp32_products/run.py --slots=96 --shapes=tts,mog,enc,codec \
+--algorithms=float32,pallas_tf32x3,pallas_tf32x3_d16 --out=$R/fp32_products.jsonl $log"
 # then in the tick (codec_in_attention, added 2026-12-06: each frame's codec products in the next
 # frame's 28 attention launches, 21 of them fused at 11B), against the reference tick on the
 # same machine, every cache full
@@ -74,7 +82,7 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
   # since fa8f3ea, chosen on H100s) at the target's count, against the dispatch loop's 127.0 ms
   # p99 of 2026-12-05; then the aims (96 faithful, 128 bf16) on the default loop, and issue 33's
   # tick at 112.
-  cmds=("$fused" "$beside" "$cap --sessions=80 --policies=reference --loops=resident $log")
+  cmds=("$tf32x3" "$fused" "$beside" "$cap --sessions=80 --policies=reference --loops=resident $log")
   cmds+=("$stages2")
   # a second start of the same point: its resident loop loaded from the cache (callback_cache,
   # 88f9fa3) instead of compiled; the row's compile_s says how long the load took (4 s of
@@ -91,7 +99,7 @@ else  # an H100 (2026-12-06: 84 bf16 held on the resident loop at ad5eda7, p99 1
   # dispatch loop at 0ced39c on another machine, p99 134.7; 51 faithful on both loops at
   # 94d43d0; its second start loaded the resident loop in 13.2 s; 92 bf16 do not fit, 85 do)
   # the 84-session bf16 pair on one machine, which the rows lack: dispatch, then resident
-  cmds=("$fused" "$beside" "$stages2")
+  cmds=("$tf32x3" "$fused" "$beside" "$stages2")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()

@@ -27,6 +27,15 @@ how: ``'float32'`` (full fp32, as torch and the faithful policies: Triton's IEEE
 reference contracts upcast operands at ``Precision.HIGHEST``; the two differ by fp32 summation
 order (and by TF32 rounding when asked for).
 
+``'tf32x3'`` (fp32 operands; an experiment, in no policy): each ``block_d`` step's product is
+Triton's three-pass TF32 dot (each operand split into a TF32 head and its remainder, the
+remainders' product dropped) on the matrix units, begun from zero, and the steps' products are
+added on the FMA units by a compensated (Kahan) sum. XLA's ``TF32_TF32_F32_X3`` preset was up to
+50x less exact than full fp32 on the codec's long contractions on an H100 (2026-12-06,
+``experiments/fp32_products``), its error growing with the contracted length: what is summed
+inside the matrix units is rounded there, so here they sum one step of ``block_d`` only. On the
+CPU (interpret mode) the steps are full-fp32 products, summed the same way.
+
 Kernel layout (Triton lowering, chosen through ``jax.experimental.pallas.triton.CompilerParams``):
 grid ``(R / block_r, F / block_f, n_split)``. Program (r, f, s) owns output columns
 ``[f * block_f, (f + 1) * block_f)`` of row block r and the rows ``[s * chunk, (s + 1) * chunk)``
@@ -56,7 +65,8 @@ F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
 _DOT_MIN = 16  # Triton's smallest dot tile (M, N and K)
 _MAX_BLOCK_R = 128  # rows per program: one row block covers every decode batch up to 128
-PRECISIONS = ("float32", "tensorfloat32")
+PRECISIONS = ("float32", "tensorfloat32", "tf32x3")
+_TF32X3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 # Splitting D is worth it only while the fp32 partials stay small next to the weight: at most
 # 1/8 of the weight's bytes written (and as much read back by the sum; mostly from L2).
 _MAX_PARTIAL_FRACTION = 1 / 8
@@ -166,6 +176,8 @@ def _dot_precision(precision: str | None, dtype) -> jax.lax.Precision | None:
         precision = "float32" if config in ("float32", "highest") else "tensorfloat32"
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS} or None: {precision!r}")
+    if precision == "tf32x3":
+        return _TF32X3
     return _HIGHEST if precision == "float32" else jax.lax.Precision.HIGH
 
 
@@ -209,6 +221,7 @@ def _kernel(
     block_d: int,
     steps: int,
     precision,
+    tile_sum: bool,
 ):
     """Program (r, f, s): rows [r*bR, ..) x columns [f*bF, ..) over this split's D chunk.
 
@@ -232,14 +245,14 @@ def _kernel(
         m = a if b is None else b if a is None else a & b
         return jnp.broadcast_to(m, shape)
 
-    def body(i, acc):
+    def step(i):
         tile = pl.ds(pl.multiple_of(i * block_d, block_d), block_d)
         d_ok = s * chunk + i * block_d + jnp.arange(block_d) < D if mask_d else None
         x_mask = both(rows, None if d_ok is None else d_ok[None, :], (bR, block_d))
         w_mask = both(None if d_ok is None else d_ok[:, None], cols, (block_d, bF))
         xb = pltriton.load(x_ref.at[:, tile], mask=x_mask, other=None if x_mask is None else 0.0)
         wb = pltriton.load(w_ref.at[tile, :], mask=w_mask, other=None if w_mask is None else 0.0)
-        return acc + jax.lax.dot_general(
+        return jax.lax.dot_general(
             xb,
             wb.astype(cdt),
             (((1,), (0,)), ((), ())),
@@ -247,7 +260,19 @@ def _kernel(
             preferred_element_type=F32,
         )
 
-    acc = jax.lax.fori_loop(0, n, body, jnp.zeros((bR, bF), F32))
+    zeros = jnp.zeros((bR, bF), F32)
+    if tile_sum:
+        # Each step's product starts from zero and is added to the running sum by a compensated
+        # (Kahan) add on the FMA units: the matrix units accumulate one block_d-long tile only.
+        def body(i, carry):
+            acc, comp = carry
+            y = step(i) - comp
+            t = acc + y
+            return t, (t - acc) - y
+
+        acc, _ = jax.lax.fori_loop(0, n, body, (zeros, zeros))
+    else:
+        acc = jax.lax.fori_loop(0, n, lambda i, acc: acc + step(i), zeros)
     pltriton.store(o_ref, acc.astype(o_ref.dtype), mask=both(rows, cols, (bR, bF)))
 
 
@@ -273,7 +298,7 @@ def matmul(
       w: [D, F], or [L, D, F] with ``layer``.
       layer: static index into a stacked weight's L axis; None for a [D, F] weight.
       out_dtype: the result's dtype (default x's).
-      precision: fp32 products: 'float32' | 'tensorfloat32' | None (follow
+      precision: fp32 products: 'float32' | 'tensorfloat32' | 'tf32x3' | None (follow
         ``jax_default_matmul_precision``). Ignored for bf16 / fp16 operands.
       interpret: run through the Pallas interpreter (needed on the CPU).
       blocks: the tiling; None picks ``default_blocks``.
@@ -305,8 +330,18 @@ def matmul(
     w3 = w if layer is not None else w[None]
     j = 0 if layer is None else layer
     partial = n_split > 1
+    tile_sum = dot_precision == _TF32X3
+    if tile_sum and interpret:
+        dot_precision = _HIGHEST  # the CPU has no TF32: full fp32 products, the same sum
     kernel = functools.partial(
-        _kernel, R=R, D=D, F=F, block_d=blocks.block_d, steps=steps, precision=dot_precision
+        _kernel,
+        R=R,
+        D=D,
+        F=F,
+        block_d=blocks.block_d,
+        steps=steps,
+        precision=dot_precision,
+        tile_sum=tile_sum,
     )
     if partial:
         out_shape = jax.ShapeDtypeStruct((n_split, R, F), F32)

@@ -117,6 +117,34 @@ def test_precision_follows_the_matmul_scope():
     assert "Precision.HIGH" not in text
 
 
+def test_tf32x3_sums_its_tiles_with_compensation():
+    """'tf32x3': each D step's product (three TF32 passes on a GPU, full fp32 on the CPU) starts
+    from zero and joins the running sum by a compensated add. With one large early tile and many
+    small later ones, a plain fp32 running sum loses the small tiles' low bits and the compensated
+    one keeps them: against float64 its error is a small fraction of the plain kernel's. On the
+    GPU the lowering asks Triton for its tf32x3 dot."""
+    R, D, F = 8, 4096, 32
+    x, w = operands(R, D, F)
+    x = x.at[:, :16].multiply(4096.0)  # the first 16-row step's products dwarf the rest's
+    blocks = MatmulBlocks(block_f=32, block_d=16, split_d=1)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+    def err(y):
+        return float(np.abs(np.asarray(y, np.float64) - exact).max() / np.abs(exact).max())
+
+    plain = KERNEL(x, w, precision="float32", interpret=True, blocks=blocks)
+    compensated = KERNEL(x, w, precision="tf32x3", interpret=True, blocks=blocks)
+    assert rel_err(compensated, REFERENCE(x, w)) < TOL_F32
+    assert err(compensated) < err(plain) / 4, (err(compensated), err(plain))
+    from experiments.ptx import triton_module
+
+    f32 = jax.ShapeDtypeStruct
+    module = triton_module(
+        functools.partial(matmul, precision="tf32x3"), f32((192, 1024), F32), f32((1024, 3072), F32)
+    )
+    assert module.count("inputPrecision = tf32x3") == 1
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

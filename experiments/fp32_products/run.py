@@ -13,7 +13,9 @@ to stand in for it. Rows are appended to ``--out`` as measured, with their prove
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,7 @@ from absl import app, flags
 
 from experiments import harness
 from experiments.fp32_products.shapes import selected, shapes
-from pallas_kernels.matmul import matmul
+from pallas_kernels.matmul import default_blocks, matmul
 from voicechat_jax import config as config_lib
 from voicechat_jax.model.common import dense_tf32_pair, tf32_pair
 
@@ -34,7 +36,9 @@ flags.DEFINE_list(
     "algorithms",
     ["float32", "TF32_TF32_F32_X3"],
     "float32 (HIGHEST), tensorfloat32 (HIGH), a jax.lax.DotAlgorithmPreset name, "
-    "pallas_float32 (pallas_kernels.matmul in full fp32), or tf32_pair (one TF32 product by "
+    "pallas_float32 (pallas_kernels.matmul in full fp32), pallas_tf32x3[_dN] (the same kernel, "
+    "three TF32 passes a D step of N rows, compensated sums across steps), or tf32_pair (one "
+    "TF32 product by "
     "the weight's [hi | lo] pair, made before the clock: model.common.dense_tf32_pair). The "
     "H100 run of 2026-12-05 had all five of float32, tensorfloat32, TF32_TF32_F32_X3, "
     "BF16_BF16_F32_X6 and BF16_BF16_F32_X9: 80 programs, 7.5 minutes of compiles and autotuning.",
@@ -64,13 +68,27 @@ def products(x, ws, *, precision):
     return tuple(jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32) for w in ws)
 
 
-def pallas_products(x, ws):
-    """``products`` through ``pallas_kernels.matmul`` in full fp32 (Triton's IEEE path on the
-    FMA units, its default tiling for the shape): the faithful policy's math in our own kernel."""
+def pallas_products(x, ws, *, precision="float32", block_d=None):
+    """``products`` through ``pallas_kernels.matmul``: in full fp32 (Triton's IEEE path on the
+    FMA units, the faithful policy's math in our own kernel) or as three TF32 passes a tile,
+    summed across tiles by a compensated add (``precision='tf32x3'``); the kernel's default
+    tiling for the shape, its D step ``block_d`` where given."""
     interpret = jax.default_backend() == "cpu"
-    return tuple(
-        matmul(x, w, precision="float32", out_dtype=jnp.float32, interpret=interpret) for w in ws
-    )
+    out = []
+    for w in ws:
+        blocks = None
+        if block_d is not None:
+            blocks = dataclasses.replace(
+                default_blocks(x.shape[0], *w.shape, w.dtype, fma=precision == "float32"),
+                block_d=block_d,
+                split_d=None,
+            )
+        out.append(
+            matmul(
+                x, w, precision=precision, out_dtype=jnp.float32, interpret=interpret, blocks=blocks
+            )
+        )
+    return tuple(out)
 
 
 def pair_products(x, pairs):
@@ -82,6 +100,10 @@ def program(algo: str):
     """The un-jitted program of ``--layers`` products under ``algo``."""
     if algo == "pallas_float32":
         return pallas_products
+    tf32x3 = re.fullmatch(r"pallas_tf32x3(?:_d(\d+))?", algo)
+    if tf32x3:
+        block_d = int(tf32x3.group(1)) if tf32x3.group(1) else None
+        return functools.partial(pallas_products, precision="tf32x3", block_d=block_d)
     if algo == "tf32_pair":
         return pair_products
     return functools.partial(products, precision=precision_of(algo))
