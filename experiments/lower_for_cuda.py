@@ -76,10 +76,11 @@ def main(argv):
         "HIGH": sum("[HIGH, HIGH]" in p for p in products),
     }
     fused = text.count('name = "attention_and_product"')
+    matmuls = text.count('name = "matmul"')
     print(
         f"{FLAGS.model} tick lowered for cuda: {len(text):,} characters, "
         f"{text.count('__gpu$xla.gpu.triton')} Triton calls "
-        f"({fused} attention_and_product), "
+        f"({fused} attention_and_product, {matmuls} matmul), "
         f"{len(products)} products {kinds}; "
         f"{serve.slots} slots, kernels {serve.kernels().row()}"
     )

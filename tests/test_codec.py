@@ -25,7 +25,7 @@ from voicechat_jax.keys import KeyRule, fill
 from voicechat_jax.keys import codec as codec_keys
 from voicechat_jax.model import beside, codec
 from voicechat_jax.model.common import count_params
-from voicechat_jax.precision import Precision
+from voicechat_jax.precision import KernelProduct, Precision, lax_precision
 from voicechat_jax.release_config import codec_config
 
 _ear = functools.partial(shared.nemo_module, "nemo.collections.speechlm2.modules.ear_tts_vae_codec")
@@ -206,6 +206,25 @@ def test_jit_equals_eager(cfg, params, codes, ours_stream):
         eager.append(np.asarray(wav))
     spf = cfg.samples_per_frame
     assert rel_err(np.concatenate(eager, axis=1), ours_stream[:, : 2 * spf]) <= 1e-5
+
+
+def test_the_trunk_through_our_kernel_equals_xlas(cfg, params, codes, ours_stream):
+    """``codec_matmul='pallas_tf32x3'`` runs the decoder trunk's products (the upsampling ones
+    with their weight laid out step-major) through ``pallas_kernels.matmul``; in the Pallas
+    interpreter its steps are full fp32, so the trunk equals XLA's to fp32 summation order. Off a
+    GPU the choice is XLA's full fp32: ``decode_step`` gives the stream bit for bit."""
+    latent = codec.codes_to_latent(params, jnp.asarray(codes[:, :2]))
+    conv = codec.init_state(cfg, B, Precision.fp32()).conv
+    want, want_conv = codec._decoder_trunk(params.decoder, latent, conv)
+    got, got_conv = codec._decoder_trunk(params.decoder, latent, conv, KernelProduct.TF32X3)
+    assert rel_err(got, want) < 1e-5
+    assert max(rel_err(a, b) for a, b in zip(got_conv, want_conv, strict=True)) < 1e-5
+    assert lax_precision("pallas_tf32x3", "gpu") is KernelProduct.TF32X3
+    state = codec.init_state(cfg, B, Precision.fp32())
+    _, wav = codec.decode_step(
+        params, state, jnp.asarray(codes[:, :1]), cfg=cfg, matmul="pallas_tf32x3"
+    )
+    np.testing.assert_array_equal(wav, ours_stream[:, : wav.shape[1]])
 
 
 def test_step_as_products_equals_the_step(cfg, params, codes, ours_stream):

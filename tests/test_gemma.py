@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from voicechat_jax.keys import fill
 from voicechat_jax.keys.tts_backbone import BACKBONE, backbone_rules
 from voicechat_jax.model import common, gemma
 from voicechat_jax.model.common import count_params
-from voicechat_jax.precision import Precision
+from voicechat_jax.precision import KernelProduct, Precision
 
 B = 2
 PREFILL = 20
@@ -147,6 +149,13 @@ def test_serving_layout_matches_hf_and_the_stored_layout(setup):
     paired = common.tf32_pairs(serving, ("qkv", "o", "gate_up", "down"))
     assert isinstance(paired.down[0], common.TF32Pair)
     assert rel_err(run(paired), ref) <= 1e-4
+    # ``tts_matmul='pallas_tf32x3'`` on a GPU: every weight product in ``pallas_kernels.matmul``
+    # (full-fp32 steps in the Pallas interpreter here)
+    kernel = jax.jit(
+        functools.partial(gemma.forward, product=KernelProduct.TF32X3), static_argnames="cfg"
+    )
+    h = run_prefill_then_steps(serving, cfg.tts, x, lambda p, c, xx: kernel(p, c, xx, cfg=cfg.tts))
+    assert rel_err(h[1], ref) <= 1e-4
 
 
 def test_jit_equals_eager(setup):

@@ -37,6 +37,7 @@ def test_policies_by_name():
         "tf32x3_tts_codec",
         "bf16_tts_kv_tf32x3_tts_codec",
         "tf32pair_tts",
+        "pallas_tf32x3_tts_codec",
     }
     assert policy("tf32pair_tts") == Precision(tts_matmul="tf32_pair")
     assert policy("tf32x3_tts_codec") == Precision(tts_matmul="tf32_x3", codec_matmul="tf32_x3")
@@ -74,6 +75,8 @@ def test_lax_precision_per_platform():
     assert lax_precision("tf32_x3", "cpu") == H.HIGHEST
     assert lax_precision("tf32_x3", "gpu") == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     assert lax_precision("bf16_x6", "gpu") == jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
+    assert lax_precision("pallas_tf32x3", "gpu") is precision_lib.KernelProduct.TF32X3
+    assert lax_precision("pallas_tf32x3", "cpu") == H.HIGHEST
     with pytest.raises(ValueError, match="matmul must be one of"):
         lax_precision("fp8")
 
@@ -113,6 +116,37 @@ def test_tf32x3_reaches_the_speech_decoders_weight_products_alone(monkeypatch):
     assert len(x3) == 4 * t.n_layers + 2 * t.mog_mlp_layers * len(ear_tts.schedule(t))
     assert all(v.aval.dtype == jnp.float32 for e in x3 for v in e.invars)
     assert len(dots) > len(x3)  # the attention, the encoder, the LLM, the codec: as before
+
+
+def test_pallas_tf32x3_reaches_the_speech_decoder_and_the_codec(monkeypatch):
+    """``pallas_tf32x3_tts_codec``: on a GPU every weight product of the speech decoder's
+    backbone and MoG trunk and every product of the codec's decoder trunk is one
+    ``pallas_kernels.matmul`` call (traced here as on a GPU); nothing else is. Off the GPU the
+    policy's tick is the reference tick, op for op."""
+    prec = Precision.pallas_tf32x3_tts_codec()
+    assert prec.tts_product("gpu") is precision_lib.KernelProduct.TF32X3
+    assert _lowered_tick(prec) == _lowered_tick(Precision.reference())
+
+    params = voicechat.serving_layout(shared.params("fp32"))
+    template = voicechat.initial_state(params, cfg=CFG, precision=Precision.fp32(), max_len=16)
+    gpu = functools.partial(lax_precision, platform="gpu")
+    monkeypatch.setattr(precision_lib, "lax_precision", lambda m, _=None: gpu(m))
+    monkeypatch.setattr(codec, "lax_precision", lambda m, _=None: gpu(m))
+    audio, key = jnp.zeros((1, 1280), jnp.float32), jax.random.key_data(jax.random.key(0))[None]
+
+    def kernel_calls(precision):
+        step = functools.partial(
+            voicechat.advance, cfg=CFG, precision=precision, deterministic=False
+        )
+        jaxpr = jax.make_jaxpr(step)(params, template, audio, key).jaxpr
+        return len(_dots(jaxpr, "pallas_call"))
+
+    t, c = CFG.tts, CFG.codec
+    stages = len(codec._decoder_dims(c))
+    codec_products = stages * (1 + 2 * c.num_blocks) + 1  # upsampling, blocks, output
+    tts_products = 4 * t.n_layers + 2 * t.mog_mlp_layers * len(ear_tts.schedule(t))
+    assert kernel_calls(Precision.reference()) == 0
+    assert kernel_calls(prec) == tts_products + codec_products
 
 
 def test_a_tf32_pair_product_has_fp32s_error():

@@ -35,6 +35,7 @@ keeps ``HIGHEST`` in every policy.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,11 @@ MATMUL = ("float32", "tensorfloat32")
 # The codec decoder's products may also run as several tensor-core passes that together keep
 # about fp32's accuracy (``jax.lax.DotAlgorithmPreset``): 'tf32_x3' (three TF32 products),
 # 'bf16_x6' (six bf16 products). On a platform without them (the CPU) they are full fp32.
-CODEC_MATMUL = (*MATMUL, "tf32_x3", "bf16_x6")
+# 'pallas_tf32x3' (2026-12-07, an experiment): three TF32 passes in our own kernel, which sums
+# only one short step of the contraction on the matrix units and adds the steps on the FMA units
+# by a compensated sum (``pallas_kernels.matmul``, precision 'tf32x3'); XLA's preset was less
+# exact than full fp32 on the codec's long contractions (an H100, 2026-12-06).
+CODEC_MATMUL = (*MATMUL, "tf32_x3", "bf16_x6", "pallas_tf32x3")
 _PRESETS = {"tf32_x3": "TF32_TF32_F32_X3", "bf16_x6": "BF16_BF16_F32_X6"}
 # The speech decoder's weight products (its backbone's and the MoG trunk's): None follows
 # ``matmul``; 'tf32_x3' runs them as three TF32 passes on a GPU (``experiments/fp32_products``:
@@ -52,9 +57,18 @@ _PRESETS = {"tf32_x3": "TF32_TF32_F32_X3", "bf16_x6": "BF16_BF16_F32_X6"}
 # (``voicechat.serving_layout``) and runs each as one TF32 product of the split input by the
 # pair (``common.dense_tf32_pair``: four partial products, each exact), full fp32 of the same
 # split operands off a GPU.
-TTS_MATMUL = (None, "tf32_x3", "tf32_pair")
+# 'pallas_tf32x3' as for the codec.
+TTS_MATMUL = (None, "tf32_x3", "tf32_pair", "pallas_tf32x3")
+
+
+class KernelProduct(enum.Enum):
+    """A weight product run by one of our kernels instead of XLA's dot (``common.dense``)."""
+
+    TF32X3 = "tf32x3"  # pallas_kernels.matmul(precision='tf32x3')
+
+
 # A product's explicit ``precision=`` (static): None for the scope's (``Precision.scope()``).
-ProductPrecision = jax.lax.Precision | jax.lax.DotAlgorithmPreset | None
+ProductPrecision = jax.lax.Precision | jax.lax.DotAlgorithmPreset | KernelProduct | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +195,18 @@ class Precision:
         return cls(tts_matmul="tf32_pair")
 
     @classmethod
+    def pallas_tf32x3_tts_codec(cls) -> Precision:
+        """The reference policy with the speech decoder's weight products (backbone, MoG trunk)
+        and the codec decoder's products in ``pallas_kernels.matmul`` as three TF32 passes a
+        contraction step, the steps added by a compensated sum (``'pallas_tf32x3'``). A
+        candidate stand-in for the faithful fp32 products, not yet one: it may stand in only if
+        its error against float64 is at most full fp32's on every shape on the GPU and the
+        served tokens and codes do not change (``experiments/fp32_products``; not yet measured
+        on a GPU). Full fp32 off a GPU.
+        """
+        return cls(tts_matmul="pallas_tf32x3", codec_matmul="pallas_tf32x3")
+
+    @classmethod
     def bf16_tts_kv_tf32x3_tts_codec(cls) -> Precision:
         """``bf16_tts_kv_tf32x3_codec`` with the speech decoder's weight products as three TF32
         passes too (``tf32x3_tts_codec``). Not faithful: the KV cache is rounded to bf16."""
@@ -199,12 +225,17 @@ def lax_precision(
 
     'float32' is ``HIGHEST`` (full fp32); 'tensorfloat32' ``HIGH`` (TF32 inputs on a GPU, fp32 on
     the CPU); 'tf32_x3' and 'bf16_x6' are ``DotAlgorithmPreset`` s on a GPU and ``HIGHEST``
-    elsewhere. ``platform``: the backend the product is traced for (default: JAX's default).
+    elsewhere; 'pallas_tf32x3' is ``KernelProduct.TF32X3`` on a GPU (``common.dense`` runs it)
+    and ``HIGHEST`` elsewhere. ``platform``: the backend the product is traced for (default:
+    JAX's default).
     """
     if matmul not in CODEC_MATMUL:
         raise ValueError(f"matmul must be one of {CODEC_MATMUL}: {matmul!r}")
+    on_gpu = (platform or jax.default_backend()) == "gpu"
+    if matmul == "pallas_tf32x3":
+        return KernelProduct.TF32X3 if on_gpu else jax.lax.Precision.HIGHEST
     if matmul in _PRESETS:
-        if (platform or jax.default_backend()) == "gpu":
+        if on_gpu:
             return getattr(jax.lax.DotAlgorithmPreset, _PRESETS[matmul])
         return jax.lax.Precision.HIGHEST
     return jax.lax.Precision.HIGHEST if matmul == "float32" else jax.lax.Precision.HIGH
@@ -223,6 +254,7 @@ POLICIES = {
     "tf32x3_tts_codec": Precision.tf32x3_tts_codec,
     "bf16_tts_kv_tf32x3_tts_codec": Precision.bf16_tts_kv_tf32x3_tts_codec,
     "tf32pair_tts": Precision.tf32pair_tts,
+    "pallas_tf32x3_tts_codec": Precision.pallas_tf32x3_tts_codec,
 }
 
 

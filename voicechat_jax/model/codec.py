@@ -59,8 +59,8 @@ import numpy as np
 from flax import struct
 
 from voicechat_jax.config import CodecConfig
-from voicechat_jax.model.common import fan_in_normal, layer_norm, normal
-from voicechat_jax.precision import Precision, lax_precision
+from voicechat_jax.model.common import dense, fan_in_normal, layer_norm, normal
+from voicechat_jax.precision import KernelProduct, Precision, ProductPrecision, lax_precision
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _LN_EPS = 1e-6  # LayerNormNd default
@@ -293,8 +293,10 @@ def encode_latent_to_codes(params: CodecParams, latent: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 
-def _pointwise(x: jax.Array, w: jax.Array, prec: jax.lax.Precision = _HIGHEST) -> jax.Array:
+def _pointwise(x: jax.Array, w: jax.Array, prec: ProductPrecision = _HIGHEST) -> jax.Array:
     """A k1 Conv1d, x [B, T, C_in], w [1, C_in, C_out] -> [B, T, C_out]."""
+    if prec is KernelProduct.TF32X3:
+        return dense(x, w[0], precision=prec)
     return jnp.einsum("btc,co->bto", x, w[0].astype(x.dtype), precision=prec)
 
 
@@ -307,7 +309,7 @@ def _convnext_in(p: ConvNeXtParams, x: jax.Array, tail: jax.Array) -> tuple[jax.
 
 
 def _convnext(
-    p: ConvNeXtParams, x: jax.Array, tail: jax.Array, prec: jax.lax.Precision = _HIGHEST
+    p: ConvNeXtParams, x: jax.Array, tail: jax.Array, prec: ProductPrecision = _HIGHEST
 ) -> tuple[jax.Array, jax.Array]:
     """One ``ConvNeXt1d``, one block's slice of the stack (no ``L`` axis).
 
@@ -323,7 +325,7 @@ def _convnext(
 
 
 def _convnext_stack(
-    blocks: ConvNeXtParams, x: jax.Array, tails: jax.Array, prec: jax.lax.Precision = _HIGHEST
+    blocks: ConvNeXtParams, x: jax.Array, tails: jax.Array, prec: ProductPrecision = _HIGHEST
 ) -> tuple[jax.Array, jax.Array]:
     """A stage's blocks in order. x [B, T, C], tails [B, L, k - 1, C] -> (x, new tails)."""
 
@@ -386,13 +388,16 @@ def _decoder_trunk(
     dec: DecoderParams,
     latent: jax.Array,
     tails: tuple[jax.Array, ...],
-    prec: jax.lax.Precision = _HIGHEST,
+    prec: ProductPrecision = _HIGHEST,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """latent [B, T, D] -> (mag/phase logits [B, N, 2R], new tails); N = T * prod(rates)."""
     x, new_tails = latent, []
     for stage, tail in zip(dec.stages, tails, strict=True):
-        _, C, r = stage.up.shape
-        y = jnp.einsum("btc,cor->btro", x, stage.up.astype(x.dtype), precision=prec)
+        C_in, C, r = stage.up.shape
+        if prec is KernelProduct.TF32X3:  # one [C_in, r * C] product, its columns step-major
+            y = dense(x, jnp.swapaxes(stage.up, 1, 2).reshape(C_in, r * C), precision=prec)
+        else:
+            y = jnp.einsum("btc,cor->btro", x, stage.up.astype(x.dtype), precision=prec)
         x = y.reshape(x.shape[0], x.shape[1] * r, C)  # kernel = stride: k outputs per input step
         x, tail = _convnext_stack(stage.blocks, x, tail, prec)
         new_tails.append(tail)
@@ -468,7 +473,9 @@ def decode_step(
     prec = lax_precision(matmul)
     latent = codes_to_latent(params, codes).astype(state.istft.dtype)
     logits, conv = _decoder_trunk(params.decoder, latent, state.conv, prec)
-    return _stream_out(state, conv, logits, cfg, prec)
+    # the inverse FFT's two small products stay XLA's (1 % of the FLOPs), in full fp32 under
+    # our kernel's products
+    return _stream_out(state, conv, logits, cfg, _HIGHEST if prec is KernelProduct.TF32X3 else prec)
 
 
 def _stream_out(

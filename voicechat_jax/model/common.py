@@ -9,7 +9,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from voicechat_jax.precision import ProductPrecision
+from pallas_kernels.matmul import matmul
+from voicechat_jax.precision import KernelProduct, ProductPrecision
 
 F32 = jnp.float32
 
@@ -32,10 +33,14 @@ def dense(
 ) -> jax.Array:
     """``x @ w (+ b)`` with ``w`` stored [in, out] (a torch Linear [out, in] transposed);
     ``precision`` (static) as ``jnp.einsum``'s, None for the scope's
-    (``Precision.scope()``). A ``TF32Pair`` weight is multiplied by its pair
-    (``dense_tf32_pair``; ``precision`` does not apply)."""
+    (``Precision.scope()``), or ``KernelProduct.TF32X3`` (``pallas_kernels.matmul``'s three TF32
+    passes a step; the Pallas interpreter on the CPU). A ``TF32Pair`` weight is multiplied by
+    its pair (``dense_tf32_pair``; ``precision`` does not apply)."""
     if isinstance(w, TF32Pair):
         y = dense_tf32_pair(x, w.pair).astype(x.dtype)
+    elif precision is KernelProduct.TF32X3:
+        interpret = jax.default_backend() == "cpu"
+        y = matmul(x, w, precision="tf32x3", out_dtype=F32, interpret=interpret).astype(x.dtype)
     else:
         y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), precision=precision)
     if b is not None:

@@ -249,9 +249,9 @@ def forward(
             qkv = dense(y, params.qkv[l], precision=product)
             q, k, v = jnp.split(qkv, [cfg.n_heads * H, (cfg.n_heads + K) * H], axis=-1)
         else:
-            q = jnp.einsum("btd,de->bte", y, w["q"].astype(y.dtype), precision=product)
-            k = jnp.einsum("btd,de->bte", y, w["k"].astype(y.dtype), precision=product)
-            v = jnp.einsum("btd,de->bte", y, w["v"].astype(y.dtype), precision=product)
+            q = dense(y, w["q"], precision=product)
+            k = dense(y, w["k"], precision=product)
+            v = dense(y, w["v"], precision=product)
         q = q.reshape(B, T, cfg.n_heads, H)
         k, v = k.reshape(B, T, K, H), v.reshape(B, T, K, H)
         q = apply_rope(rms_norm(q, w["q_norm"], eps, offset=1.0), positions, inv)
@@ -277,8 +277,8 @@ def forward(
             gu = dense(y, params.gate_up[l], precision=product)
             g, u = jnp.split(gu, 2, axis=-1)
         else:
-            g = jnp.einsum("btd,df->btf", y, w["gate"].astype(y.dtype), precision=product)
-            u = jnp.einsum("btd,df->btf", y, w["up"].astype(y.dtype), precision=product)
+            g = dense(y, w["gate"], precision=product)
+            u = dense(y, w["up"], precision=product)
         m = dense(jax.nn.gelu(g, approximate=True) * u, w["down"], precision=product)
         h = h + rms_norm(m, w["post_ff_norm"], eps, offset=1.0)
     h = rms_norm(h, params.final_norm, eps, offset=1.0)
