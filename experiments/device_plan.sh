@@ -72,7 +72,12 @@ tf32x3="python3 experiments/fp32_products/run.py --slots=96 --shapes=tts,mog,enc
 # the codec's place only (without it, 0 fused launches at 40: experiments/lower_for_cuda.py).
 g1=$((slots >= 56 ? 0 : 1))
 if ((g1)); then full+=" --tts_attention=pallas_mha"; fi
+# (and, right after the reference, the same tick under pallas_tf32x3_tts_codec, added
+# 2026-12-07: the speech decoder's and the codec's products in the tf32x3 kernel above; the
+# digests say whether its tokens and codes are the reference's)
 beside="$prof $full --out_dir=/tmp/tp_ref_$slots $log; $(keep_profile ref_$slots); \
+$prof $full --policy=pallas_tf32x3_tts_codec --out_dir=/tmp/tp_k3_$slots $log; \
+$(keep_profile k3_$slots); \
 $prof $full --codec_in_attention --out_dir=/tmp/tp_cia_$slots $log; $(keep_profile cia_$slots); \
 $prof $full --codec_in_attention --codec_frame_behind --out_dir=/tmp/tp_cfb_$slots $log; \
 $(keep_profile cfb_$slots)"
@@ -82,7 +87,7 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
   # since fa8f3ea, chosen on H100s) at the target's count, against the dispatch loop's 127.0 ms
   # p99 of 2026-12-05; then the aims (96 faithful, 128 bf16) on the default loop, and issue 33's
   # tick at 112.
-  cmds=("$tf32x3" "$fused" "$beside" "$cap --sessions=80 --policies=reference --loops=resident $log")
+  cmds=("$tf32x3" "$beside" "$fused" "$cap --sessions=80 --policies=reference --loops=resident $log")
   cmds+=("$stages2")
   # a second start of the same point: its resident loop loaded from the cache (callback_cache,
   # 88f9fa3) instead of compiled; the row's compile_s says how long the load took (4 s of
@@ -99,7 +104,7 @@ else  # an H100 (2026-12-06: 84 bf16 held on the resident loop at ad5eda7, p99 1
   # dispatch loop at 0ced39c on another machine, p99 134.7; 51 faithful on both loops at
   # 94d43d0; its second start loaded the resident loop in 13.2 s; 92 bf16 do not fit, 85 do)
   # the 84-session bf16 pair on one machine, which the rows lack: dispatch, then resident
-  cmds=("$tf32x3" "$fused" "$beside" "$stages2")
+  cmds=("$tf32x3" "$beside" "$fused" "$stages2")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()
