@@ -72,11 +72,11 @@ tf32x3="python3 experiments/fp32_products/run.py --slots=96 --shapes=tts,mog,enc
 # the codec's place only (without it, 0 fused launches at 40: experiments/lower_for_cuda.py).
 g1=$((slots >= 56 ? 0 : 1))
 if ((g1)); then full+=" --tts_attention=pallas_mha"; fi
-# (and, right after the reference, the same tick under pallas_tf32x3_tts_codec, added
-# 2026-12-07: the speech decoder's and the codec's products in the tf32x3 kernel above; the
+# (and, right after the reference, the same tick under pallas_tf32x3, added 2026-12-07: the
+# encoder's, the speech decoder's and the codec's fp32 products in the tf32x3 kernel above; the
 # digests say whether its tokens and codes are the reference's)
 beside="$prof $full --out_dir=/tmp/tp_ref_$slots $log; $(keep_profile ref_$slots); \
-$prof $full --policy=pallas_tf32x3_tts_codec --out_dir=/tmp/tp_k3_$slots $log; \
+$prof $full --policy=pallas_tf32x3 --out_dir=/tmp/tp_k3_$slots $log; \
 $(keep_profile k3_$slots); \
 $prof $full --codec_in_attention --out_dir=/tmp/tp_cia_$slots $log; $(keep_profile cia_$slots); \
 $prof $full --codec_in_attention --codec_frame_behind --out_dir=/tmp/tp_cfb_$slots $log; \

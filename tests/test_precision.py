@@ -16,7 +16,7 @@ from voicechat_jax import state as state_lib
 from voicechat_jax import step as step_lib
 from voicechat_jax.config import ServeConfig, tiny
 from voicechat_jax.engine import Engine
-from voicechat_jax.model import codec, common, ear_tts, mog, voicechat
+from voicechat_jax.model import codec, common, conformer, ear_tts, mog, voicechat
 from voicechat_jax.precision import POLICIES, Precision, lax_precision, policy
 
 CFG = tiny()
@@ -38,6 +38,7 @@ def test_policies_by_name():
         "bf16_tts_kv_tf32x3_tts_codec",
         "tf32pair_tts",
         "pallas_tf32x3_tts_codec",
+        "pallas_tf32x3",
     }
     assert policy("tf32pair_tts") == Precision(tts_matmul="tf32_pair")
     assert policy("tf32x3_tts_codec") == Precision(tts_matmul="tf32_x3", codec_matmul="tf32_x3")
@@ -118,14 +119,19 @@ def test_tf32x3_reaches_the_speech_decoders_weight_products_alone(monkeypatch):
     assert len(dots) > len(x3)  # the attention, the encoder, the LLM, the codec: as before
 
 
-def test_pallas_tf32x3_reaches_the_speech_decoder_and_the_codec(monkeypatch):
+def test_pallas_tf32x3_reaches_the_encoder_the_speech_decoder_and_the_codec(monkeypatch):
     """``pallas_tf32x3_tts_codec``: on a GPU every weight product of the speech decoder's
     backbone and MoG trunk and every product of the codec's decoder trunk is one
-    ``pallas_kernels.matmul`` call (traced here as on a GPU); nothing else is. Off the GPU the
-    policy's tick is the reference tick, op for op."""
-    prec = Precision.pallas_tf32x3_tts_codec()
-    assert prec.tts_product("gpu") is precision_lib.KernelProduct.TF32X3
-    assert _lowered_tick(prec) == _lowered_tick(Precision.reference())
+    ``pallas_kernels.matmul`` call (traced here as on a GPU); ``pallas_tf32x3`` adds the
+    Conformer layers'; nothing else is. In the interpreter the encoder's frames
+    equal XLA's to fp32 summation order. Off the GPU the policies' tick is the reference tick,
+    op for op."""
+    both = Precision.pallas_tf32x3_tts_codec(), Precision.pallas_tf32x3()
+    assert both[0].tts_product("gpu") is precision_lib.KernelProduct.TF32X3
+    assert both[0].encoder_product("gpu") is None
+    assert both[1].encoder_product("gpu") is precision_lib.KernelProduct.TF32X3
+    assert both[1].encoder_product("cpu") == jax.lax.Precision.HIGHEST
+    assert _lowered_tick(both[1]) == _lowered_tick(Precision.reference())
 
     params = voicechat.serving_layout(shared.params("fp32"))
     template = voicechat.initial_state(params, cfg=CFG, precision=Precision.fp32(), max_len=16)
@@ -146,7 +152,18 @@ def test_pallas_tf32x3_reaches_the_speech_decoder_and_the_codec(monkeypatch):
     codec_products = stages * (1 + 2 * c.num_blocks) + 1  # upsampling, blocks, output
     tts_products = 4 * t.n_layers + 2 * t.mog_mlp_layers * len(ear_tts.schedule(t))
     assert kernel_calls(Precision.reference()) == 0
-    assert kernel_calls(prec) == tts_products + codec_products
+    assert kernel_calls(both[0]) == tts_products + codec_products
+    # the CPU's layout scans the encoder's stacked layers: one layer's products in the body
+    # (q, k and v apart: ten; a GPU's layout unrolls the layers and fuses q|k|v, eight a layer)
+    assert kernel_calls(both[1]) == tts_products + codec_products + 10
+
+    enc = template.encoder
+    samples = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2 * 1280)), jnp.float32)
+    step = functools.partial(conformer.encoder_step, cfg=CFG.encoder)
+    _, want, _ = step(params.encoder, enc, samples, precision=Precision.fp32())
+    kernel = dataclasses.replace(Precision.fp32(), encoder_matmul="pallas_tf32x3")
+    _, got, _ = step(params.encoder, enc, samples, precision=kernel)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
 def test_a_tf32_pair_product_has_fp32s_error():

@@ -59,6 +59,9 @@ _PRESETS = {"tf32_x3": "TF32_TF32_F32_X3", "bf16_x6": "BF16_BF16_F32_X6"}
 # split operands off a GPU.
 # 'pallas_tf32x3' as for the codec.
 TTS_MATMUL = (None, "tf32_x3", "tf32_pair", "pallas_tf32x3")
+# The Conformer layers' weight products (feed-forward, attention projections, conv pointwise):
+# None follows ``matmul``; 'pallas_tf32x3' as for the codec.
+ENCODER_MATMUL = (None, "pallas_tf32x3")
 
 
 class KernelProduct(enum.Enum):
@@ -86,6 +89,7 @@ class Precision:
     matmul: str = "float32"  # fp32 products: 'float32' (as torch) | 'tensorfloat32' (TF32 on GPUs)
     codec_matmul: str = "float32"  # the codec decoder's products (the waveform only): CODEC_MATMUL
     tts_matmul: str | None = None  # the speech decoder's weight products: TTS_MATMUL
+    encoder_matmul: str | None = None  # the Conformer layers' weight products: ENCODER_MATMUL
 
     def __post_init__(self):
         for field, choices in (("matmul", MATMUL), ("codec_matmul", CODEC_MATMUL)):
@@ -93,6 +97,10 @@ class Precision:
                 raise ValueError(f"{field} must be one of {choices}: {getattr(self, field)!r}")
         if self.tts_matmul not in TTS_MATMUL:
             raise ValueError(f"tts_matmul must be one of {TTS_MATMUL}: {self.tts_matmul!r}")
+        if self.encoder_matmul not in ENCODER_MATMUL:
+            raise ValueError(
+                f"encoder_matmul must be one of {ENCODER_MATMUL}: {self.encoder_matmul!r}"
+            )
 
     def scope(self):
         """The context in which the engine traces its programs (``jax.default_matmul_precision``).
@@ -108,6 +116,13 @@ class Precision:
         if self.tts_matmul in (None, "tf32_pair"):
             return None
         return lax_precision(self.tts_matmul, platform)
+
+    def encoder_product(self, platform: str | None = None) -> ProductPrecision:
+        """The explicit ``precision=`` of the Conformer layers' weight products (static): None
+        (the scope's) unless ``encoder_matmul`` names one (``lax_precision``)."""
+        if self.encoder_matmul is None:
+            return None
+        return lax_precision(self.encoder_matmul, platform)
 
     @classmethod
     def reference(cls) -> Precision:
@@ -207,6 +222,15 @@ class Precision:
         return cls(tts_matmul="pallas_tf32x3", codec_matmul="pallas_tf32x3")
 
     @classmethod
+    def pallas_tf32x3(cls) -> Precision:
+        """``pallas_tf32x3_tts_codec`` with the Conformer layers' weight products in the same
+        kernel: every fp32 weight product of the tick but the encoder's subsampling and
+        projection, the LLM's bf16 ones untouched. The same candidate, on the same terms."""
+        return cls(
+            encoder_matmul="pallas_tf32x3", tts_matmul="pallas_tf32x3", codec_matmul="pallas_tf32x3"
+        )
+
+    @classmethod
     def bf16_tts_kv_tf32x3_tts_codec(cls) -> Precision:
         """``bf16_tts_kv_tf32x3_codec`` with the speech decoder's weight products as three TF32
         passes too (``tf32x3_tts_codec``). Not faithful: the KV cache is rounded to bf16."""
@@ -255,6 +279,7 @@ POLICIES = {
     "bf16_tts_kv_tf32x3_tts_codec": Precision.bf16_tts_kv_tf32x3_tts_codec,
     "tf32pair_tts": Precision.tf32pair_tts,
     "pallas_tf32x3_tts_codec": Precision.pallas_tf32x3_tts_codec,
+    "pallas_tf32x3": Precision.pallas_tf32x3,
 }
 
 

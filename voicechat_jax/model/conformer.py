@@ -62,7 +62,7 @@ from voicechat_jax.config import ENCODER_CALL_FRAMES, EncoderConfig
 from voicechat_jax.model import mel as mel_lib
 from voicechat_jax.model.attention import masked_softmax
 from voicechat_jax.model.common import dense, keep_rows, layer_norm
-from voicechat_jax.precision import Precision
+from voicechat_jax.precision import Precision, ProductPrecision
 
 # ``forward_attention`` fills masked scores with -INF_VAL (NeMo's INF_VAL = 10000), not -inf.
 _MASKED_SCORE = -10000.0
@@ -356,9 +356,11 @@ def _rel_pos_table(R: int, D: int) -> np.ndarray:
     return pe
 
 
-def _feed_forward(p: FeedForwardParams, x: jax.Array, eps: float) -> jax.Array:
+def _feed_forward(
+    p: FeedForwardParams, x: jax.Array, eps: float, product: ProductPrecision = None
+) -> jax.Array:
     h = layer_norm(x, p.norm, p.norm_b, eps)
-    return dense(jax.nn.silu(dense(h, p.up)), p.down)
+    return dense(jax.nn.silu(dense(h, p.up, precision=product)), p.down, precision=product)
 
 
 def _attention(
@@ -373,6 +375,7 @@ def _attention(
     rel_idx: np.ndarray,
     pe: np.ndarray,
     eps: float,
+    product: ProductPrecision = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rel-pos MHA over [context, new frames], layer ``l``: x [B, T, D], every layer's k/v
     rings [B, L, R, D] -> (y, k rings, v rings).
@@ -389,9 +392,9 @@ def _attention(
     N, H = p.pos_bias_u.shape
     xn = layer_norm(x, p.norm, p.norm_b, eps)
     if p.qkv is not None:  # the serving layout: one product, its columns split
-        q, k_new, v_new = jnp.split(dense(xn, p.qkv), 3, axis=-1)
+        q, k_new, v_new = jnp.split(dense(xn, p.qkv, precision=product), 3, axis=-1)
     else:
-        q, k_new, v_new = dense(xn, p.q), dense(xn, p.k), dense(xn, p.v)
+        q, k_new, v_new = (dense(xn, w, precision=product) for w in (p.q, p.k, p.v))
     slot, rows = write
     k_rings = k_rings.at[slot, l, rows].set(k_new.astype(k_rings.dtype), mode="drop")
     v_rings = v_rings.at[slot, l, rows].set(v_new.astype(v_rings.dtype), mode="drop")
@@ -415,23 +418,23 @@ def _attention(
     scores = ((ac + bd) / math.sqrt(H)).astype(jnp.float32)
     probs = masked_softmax(scores, keys[:, None], x.dtype, fill=_MASKED_SCORE, zero_masked=True)
     y = jnp.sum(probs.transpose(0, 2, 3, 1)[..., None] * v, axis=2).reshape(B, T, D)
-    return dense(y, p.o), k_rings, v_rings
+    return dense(y, p.o, precision=product), k_rings, v_rings
 
 
 def _convolution(
-    p: ConvParams, x: jax.Array, cache: jax.Array, eps: float
+    p: ConvParams, x: jax.Array, cache: jax.Array, eps: float, product: ProductPrecision = None
 ) -> tuple[jax.Array, jax.Array]:
     """Conformer conv module with a causal depthwise conv: x [B, T, D], cache [B, K-1, D]."""
     T = x.shape[1]
     K = p.dw.shape[0]
-    h = dense(layer_norm(x, p.norm, p.norm_b, eps), p.pw1[0])  # [B, T, 2D]
+    h = dense(layer_norm(x, p.norm, p.norm_b, eps), p.pw1[0], precision=product)  # [B, T, 2D]
     a, g = jnp.split(h, 2, axis=-1)
     h = a * jax.nn.sigmoid(g)  # GLU over channels
     buf = jnp.concatenate([cache, h], axis=1)  # [B, K - 1 + T, D]
     w = p.dw[:, 0].astype(h.dtype)  # [K, D]
     y = sum(buf[:, i : i + T] * w[i] for i in range(K))
     y = jax.nn.silu(layer_norm(y, p.ln, p.ln_b, eps))
-    return dense(y, p.pw2[0]), buf[:, T:]
+    return dense(y, p.pw2[0], precision=product), buf[:, T:]
 
 
 def _layers(
@@ -444,6 +447,7 @@ def _layers(
     mask: jax.Array,
     run: jax.Array,
     cfg: EncoderConfig,
+    product: ProductPrecision = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The L Conformer layers: x [B, T, D], caches [B, L, ...] -> (y, caches). Stacked weights
     run as a ``lax.scan``; per-layer weights (``serving_layout`` on a GPU) run unrolled.
@@ -479,13 +483,15 @@ def _layers(
         # place (no transpose of the whole cache around the scan).
         h, ak, av, conv = carry
         lp, l = xs
-        h = h + 0.5 * _feed_forward(lp.ff1, h, eps)
-        y, ak, av = _attention(lp.attn, h, ak, av, l, (slot, rows), age, mask, rel_idx, pe, eps)
+        h = h + 0.5 * _feed_forward(lp.ff1, h, eps, product)
+        y, ak, av = _attention(
+            lp.attn, h, ak, av, l, (slot, rows), age, mask, rel_idx, pe, eps, product
+        )
         h = h + y
         tail = conv[:, l]
-        y, cc = _convolution(lp.conv, h, tail, eps)
+        y, cc = _convolution(lp.conv, h, tail, eps, product)
         h = h + y
-        h = h + 0.5 * _feed_forward(lp.ff2, h, eps)
+        h = h + 0.5 * _feed_forward(lp.ff2, h, eps, product)
         h = layer_norm(h, lp.out_norm, lp.out_norm_b, eps)
         cc = jnp.where(keep, tail, cc.astype(conv.dtype))
         conv = jax.lax.dynamic_update_index_in_dim(conv, cc, l, axis=1)
@@ -530,7 +536,7 @@ def encoder_step(
         their rows alone (``_layers``), the small leaves are selected at the end.
       cfg: the encoder config.
       precision: the dtype policy (``precision.encoder`` for weights and activations; the mel is
-        always fp32).
+        always fp32; ``encoder_product`` the Conformer layers' weight products).
 
     Returns:
       (state, enc [B, k, D], proj [B, k, D_llm]): the encoder frames (what the RNNT head reads)
@@ -553,7 +559,16 @@ def encoder_step(
     mask = _attention_mask(state.pos, k, S)
     run = jnp.ones(state.pos.shape, bool) if run is None else run
     enc, att_k, att_v, conv_cache = _layers(
-        params.layers, x, state.att_k, state.att_v, state.conv_cache, state.pos, mask, run, cfg
+        params.layers,
+        x,
+        state.att_k,
+        state.att_v,
+        state.conv_cache,
+        state.pos,
+        mask,
+        run,
+        cfg,
+        precision.encoder_product(),
     )
     proj = dense(enc, params.proj, params.proj_b)
     mel_tail, pre_cache, pos = keep_rows(
