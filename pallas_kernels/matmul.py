@@ -27,8 +27,8 @@ how: ``'float32'`` (full fp32, as torch and the faithful policies: Triton's IEEE
 reference contracts upcast operands at ``Precision.HIGHEST``; the two differ by fp32 summation
 order (and by TF32 rounding when asked for).
 
-``'tf32x3'`` (fp32 operands; an experiment, in no policy): each ``block_d`` step's product is
-Triton's three-pass TF32 dot (each operand split into a TF32 head and its remainder, the
+``'tf32x3'`` (fp32 operands; the opt-in policies ``pallas_tf32x3*``): each ``block_d`` step's
+product is Triton's three-pass TF32 dot (each operand split into a TF32 head and its remainder, the
 remainders' product dropped) on the matrix units, begun from zero, and the steps' products are
 added on the FMA units by a compensated (Kahan) sum. XLA's ``TF32_TF32_F32_X3`` preset was up to
 50x less exact than full fp32 on the codec's long contractions on an H100 (2026-12-06,
