@@ -14,6 +14,7 @@ of writing) so that a signal surely lands mid-conversion.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -307,6 +308,31 @@ def test_fast_mode_restores_an_altered_file_full_mode_refuses_it(converted, tmp_
         leaves = zip(jax.tree.leaves(altered), jax.tree.leaves(intact), strict=True)
         assert sum(not np.array_equal(a, b) for a, b in leaves) == 1
     _one_line_error(lambda: ckpt.restore(d, F32), path, r"altered or corrupt")
+
+
+def test_a_policy_with_product_choices_restores(converted):
+    """A policy's product choices (``matmul``, ``codec_matmul``, ``tts_matmul``,
+    ``encoder_matmul``) are not how weights are stored: restoring under them gives the leaves the
+    dtypes alone give (before 2026-12-07 the manifest check read them as dtypes and raised
+    TypeError, e.g. ``voicechat-serve --checkpoint=... --precision=tf32x3_codec``), and a
+    manifest written when they were recorded still reads as the same precision."""
+    products = dataclasses.replace(
+        F32,
+        matmul="tensorfloat32",
+        codec_matmul="tf32_x3",
+        tts_matmul="pallas_tf32x3",
+        encoder_matmul="pallas_tf32x3",
+    )
+    assert ckpt.precision_to_json(products) == ckpt.precision_to_json(F32)
+    _, got, _ = ckpt.restore(converted, products, verify=SIZES)
+    _, want, _ = ckpt.restore(converted, F32, verify=SIZES)
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
+    written = {**ckpt.precision_to_json(F32), "matmul": "float32", "tts_matmul": "float64"}
+    assert ckpt.same_precision(written, products)
+    assert not ckpt.same_precision(written, Precision.bf16_tts_kv())
 
 
 def test_a_chunk_orbax_cannot_decode_is_one_line_naming_the_shard(converted, monkeypatch):

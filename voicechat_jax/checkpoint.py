@@ -138,9 +138,22 @@ def leaf_paths(tree) -> list[str]:
 
 
 def precision_to_json(precision: Precision) -> dict[str, str]:
+    """The policy's dtypes by field: what the stored leaves are cast to. Its product choices
+    (``matmul``, ``codec_matmul``, ``tts_matmul``, ``encoder_matmul``: names or None) say how
+    products run, not how weights are stored, and are left out."""
+    values = {f.name: getattr(precision, f.name) for f in dataclasses.fields(precision)}
     return {
-        f.name: jnp.dtype(getattr(precision, f.name)).name for f in dataclasses.fields(precision)
+        k: jnp.dtype(v).name for k, v in values.items() if not (v is None or isinstance(v, str))
     }
+
+
+def same_precision(wrote: dict[str, str], precision: Precision) -> bool:
+    """Whether a manifest's ``precision`` (``precision_to_json`` when it was written) stores the
+    leaves as ``precision`` does. Keys that are not dtypes of ``precision`` are ignored: a
+    manifest written before 2026-12-07 also recorded the product choices (names read as dtypes,
+    'float32' or 'float64')."""
+    now = precision_to_json(precision)
+    return {k: wrote.get(k) for k in now} == now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,7 +519,7 @@ def restore(
     abstract, paths = _expected_leaves(directory, cfg, index, precision)
     targets, treedef = jax.tree_util.tree_flatten(abstract)
     wrote = manifest.get("precision")
-    if wrote is not None and wrote != precision_to_json(precision):
+    if wrote is not None and not same_precision(wrote, precision):
         logging.warning("checkpoint written in precision %s, restoring in %s", wrote, precision)
     if sharding is None:
         device = device or jax.devices()[0]
