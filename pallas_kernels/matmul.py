@@ -32,9 +32,10 @@ product is Triton's three-pass TF32 dot (each operand split into a TF32 head and
 remainders' product dropped) on the matrix units, begun from zero, and the steps' products are
 added on the FMA units by a compensated (Kahan) sum. XLA's ``TF32_TF32_F32_X3`` preset was up to
 50x less exact than full fp32 on the codec's long contractions on an H100 (2026-12-06,
-``experiments/fp32_products``), its error growing with the contracted length: what is summed
-inside the matrix units is rounded there, so here they sum one step of ``block_d`` only. On the
-CPU (interpret mode) the steps are full-fp32 products, summed the same way.
+``experiments/fp32_products``), its error growing with the contracted length, as it would if
+the matrix units round what they sum (a reading, not checked): here they sum one step of
+``block_d`` only. Whether this is as exact as full fp32 is for a GPU to say. On the CPU
+(interpret mode) the steps are full-fp32 products, summed the same way.
 
 Kernel layout (Triton lowering, chosen through ``jax.experimental.pallas.triton.CompilerParams``):
 grid ``(R / block_r, F / block_f, n_split)``. Program (r, f, s) owns output columns
