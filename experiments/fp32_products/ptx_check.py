@@ -12,7 +12,6 @@ kernels' structure, not their speed. Rows go to ``--out``; a table is printed la
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import pathlib
@@ -24,9 +23,9 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from experiments import harness
-from experiments.fp32_products.shapes import selected, shapes
+from experiments.fp32_products.shapes import kernel_blocks, selected, shapes
 from experiments.ptx import compile_sm90, triton_module
-from pallas_kernels.matmul import default_blocks, matmul
+from pallas_kernels.matmul import matmul
 from voicechat_jax import config as config_lib
 
 FLAGS = flags.FLAGS
@@ -48,10 +47,9 @@ def main(argv):
             R = per_slot * FLAGS.slots
             args = (jax.ShapeDtypeStruct((R, D), f32), jax.ShapeDtypeStruct((D, F), f32))
             for precision in FLAGS.precisions:
-                base = default_blocks(R, D, F, f32, fma=precision == "float32")
                 steps = [None] + ([int(d) for d in FLAGS.block_d] if precision == "tf32x3" else [])
                 for block_d in steps:
-                    blocks = base if block_d is None else dataclasses.replace(base, block_d=block_d)
+                    blocks = kernel_blocks(R, D, F, f32, precision=precision, block_d=block_d)
                     fn = functools.partial(matmul, precision=precision, blocks=blocks)
                     module = triton_module(fn, *args)
                     r = compile_sm90(module, blocks.num_warps, blocks.num_stages, workdir)

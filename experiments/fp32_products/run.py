@@ -13,7 +13,6 @@ to stand in for it. Rows are appended to ``--out`` as measured, with their prove
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 
@@ -23,8 +22,8 @@ import numpy as np
 from absl import app, flags
 
 from experiments import harness
-from experiments.fp32_products.shapes import selected, shapes
-from pallas_kernels.matmul import default_blocks, matmul
+from experiments.fp32_products.shapes import kernel_blocks, selected, shapes
+from pallas_kernels.matmul import matmul
 from voicechat_jax import config as config_lib
 from voicechat_jax.model.common import dense_tf32_pair, tf32_pair
 
@@ -76,13 +75,7 @@ def pallas_products(x, ws, *, precision="float32", block_d=None):
     interpret = jax.default_backend() == "cpu"
     out = []
     for w in ws:
-        blocks = None
-        if block_d is not None:
-            blocks = dataclasses.replace(
-                default_blocks(x.shape[0], *w.shape, w.dtype, fma=precision == "float32"),
-                block_d=block_d,
-                split_d=None,
-            )
+        blocks = kernel_blocks(x.shape[0], *w.shape, w.dtype, precision=precision, block_d=block_d)
         out.append(
             matmul(
                 x, w, precision=precision, out_dtype=jnp.float32, interpret=interpret, blocks=blocks

@@ -3,6 +3,11 @@ so that tests can import it)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_kernels.matmul import MatmulBlocks, default_blocks, default_split
 from voicechat_jax import config as config_lib
 from voicechat_jax.model import codec as codec_lib
 from voicechat_jax.model import ear_tts
@@ -39,3 +44,15 @@ def shapes(cfg: config_lib.ModelConfig) -> list[tuple[str, int, int, int, int]]:
 def selected(all_shapes, names) -> list:
     """The shapes named in ``names`` (a full name or a prefix such as ``codec``)."""
     return [row for row in all_shapes if any(row[0] == k or row[0].startswith(k) for k in names)]
+
+
+def kernel_blocks(R: int, D: int, F: int, dtype, *, precision: str, block_d=None) -> MatmulBlocks:
+    """``pallas_kernels.matmul``'s tiling of an [R, D] x [D, F] product under ``precision``: its
+    default, with the D step ``block_d`` where given (and the D split chosen again for it).
+    What ``run.py`` times and ``ptx_check.py`` compiles."""
+    blocks = default_blocks(R, D, F, dtype, fma=precision == "float32")
+    if block_d is None:
+        return blocks
+    blocks = dataclasses.replace(blocks, block_d=block_d)
+    split = default_split(R, D, F, jnp.dtype(dtype).itemsize, blocks)
+    return dataclasses.replace(blocks, split_d=split)
