@@ -59,8 +59,11 @@ stages2="python3 experiments/attention_product/run.py --slots=96 --num_stages=2 
 # its error against float64 at most full fp32's on every shape (XLA's own three-pass preset was
 # not, on the codec's long contractions), and how much faster? Compiled for sm_90a here, no
 # spills (experiments/fp32_products/ptx_check.py). A few minutes; on either card.
+# pallas_tf32x3_r64 (added 2026-12-07, 20:00 UTC): the 192 rows of the speech decoder's products
+# at 96 slots as three row blocks of 64 (each streams the weight) instead of 128 + 64 padded.
 tf32x3="python3 experiments/fp32_products/run.py --slots=96 --shapes=tts,mog,enc,codec \
---algorithms=float32,pallas_tf32x3,pallas_tf32x3_d16 --out=$R/fp32_products.jsonl $log"
+--algorithms=float32,pallas_tf32x3,pallas_tf32x3_d16,pallas_tf32x3_r64 \
+--out=$R/fp32_products.jsonl $log"
 # then in the tick (codec_in_attention, added 2026-12-06: each frame's codec products in the next
 # frame's 28 attention launches, 21 of them fused at 11B), against the reference tick on the
 # same machine, every cache full

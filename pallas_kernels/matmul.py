@@ -94,6 +94,10 @@ class MatmulBlocks:
         added outside the kernel); None picks it from the shapes (``default_blocks``).
       num_warps: Triton warps per program; a power of two.
       num_stages: Triton software-pipelining stages of the D loop.
+      block_r: rows of x per program; a power of two >= 16, or None: the rows rounded up to a
+        power of two, at most 128 (``_block_r``). Each row block streams the whole weight
+        again: 192 rows (96 slots, two frames) are two blocks of 128 by default, the second
+        half padding, or three of 64 with none.
     """
 
     block_f: int = 128
@@ -101,10 +105,13 @@ class MatmulBlocks:
     split_d: int | None = None
     num_warps: int = 4
     num_stages: int = 3
+    block_r: int | None = None
 
     def __post_init__(self):
-        for name in ("block_f", "block_d"):
+        for name in ("block_f", "block_d", "block_r"):
             v = getattr(self, name)
+            if name == "block_r" and v is None:
+                continue
             if not _pow2(v) or v < _DOT_MIN:
                 raise ValueError(f"{name} must be a power of two >= {_DOT_MIN}: {v}")
         if self.split_d is not None and self.split_d < 1:
@@ -124,7 +131,7 @@ def default_split(R: int, D: int, F: int, w_itemsize: int, blocks: MatmulBlocks)
     ``_MAX_PARTIAL_FRACTION`` of the weight; among those, a count that divides D's blocks evenly
     is preferred (then no load is masked along D), if one is within a factor of two of it.
     """
-    n_cols = pl.cdiv(F, blocks.block_f) * pl.cdiv(R, _block_r(R))
+    n_cols = pl.cdiv(F, blocks.block_f) * pl.cdiv(R, blocks.block_r or _block_r(R))
     if n_cols >= _TARGET_PROGRAMS:
         return 1
     n_d = pl.cdiv(D, blocks.block_d)
@@ -321,7 +328,7 @@ def matmul(
     dot_precision = _dot_precision(precision, x.dtype)
     if blocks is None:
         blocks = default_blocks(R, D, F, w.dtype, fma=dot_precision == _HIGHEST)
-    bR = _block_r(R)
+    bR = blocks.block_r or _block_r(R)
     split = blocks.split_d or default_split(R, D, F, jnp.dtype(w.dtype).itemsize, blocks)
     steps = pl.cdiv(pl.cdiv(D, blocks.block_d), split)
     chunk = steps * blocks.block_d

@@ -9,6 +9,7 @@ relative: max|a - b| / max|b|.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -79,6 +80,21 @@ def test_kernel_equals_reference(case):
     assert got.dtype == xd
     want = REFERENCE(x, w, layer=layer)
     assert rel_err(got, want) < (TOL_BF16 if xd == BF else TOL_F32)
+
+
+@pytest.mark.parametrize("precision", ["float32", "tf32x3"])
+def test_row_blocks_of_a_given_height(precision):
+    """``block_r`` splits the rows over more programs (70 rows: five blocks of 16, the last
+    padded, instead of one of 128); each row's product is the reference's, whatever block it
+    falls in."""
+    x, w = operands(70, 48, 40)
+    blocks = MatmulBlocks(block_f=16, block_d=16, split_d=2, block_r=16)
+    got = KERNEL(x, w, out_dtype=F32, precision=precision, interpret=True, blocks=blocks)
+    assert got.shape == (70, 40)
+    assert rel_err(got, REFERENCE(x, w, out_dtype=F32)) < TOL_F32
+    one_block = dataclasses.replace(blocks, block_r=None)
+    base = KERNEL(x, w, out_dtype=F32, precision=precision, interpret=True, blocks=one_block)
+    assert rel_err(got, base) < TOL_F32
 
 
 def test_leading_axes_and_zero_rows():
@@ -172,6 +188,8 @@ def test_bad_shapes_and_blocks_are_refused():
         MatmulBlocks(block_d=8)
     with pytest.raises(ValueError, match="split_d must be"):
         MatmulBlocks(split_d=0)
+    with pytest.raises(ValueError, match="block_r must be a power of two >= 16"):
+        MatmulBlocks(block_r=48)
 
 
 def test_default_tiling_fills_the_gpu():

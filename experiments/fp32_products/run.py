@@ -35,8 +35,9 @@ flags.DEFINE_list(
     "algorithms",
     ["float32", "TF32_TF32_F32_X3"],
     "float32 (HIGHEST), tensorfloat32 (HIGH), a jax.lax.DotAlgorithmPreset name, "
-    "pallas_float32 (pallas_kernels.matmul in full fp32), pallas_tf32x3[_dN] (the same kernel, "
-    "three TF32 passes a D step of N rows, compensated sums across steps), or tf32_pair (one "
+    "pallas_float32 (pallas_kernels.matmul in full fp32), pallas_tf32x3[_rM][_dN] (the same "
+    "kernel, three TF32 passes a D step of N rows, compensated sums across steps; row blocks of "
+    "M rows), or tf32_pair (one "
     "TF32 product by "
     "the weight's [hi | lo] pair, made before the clock: model.common.dense_tf32_pair). The "
     "H100 run of 2026-12-05 had all five of float32, tensorfloat32, TF32_TF32_F32_X3, "
@@ -67,15 +68,17 @@ def products(x, ws, *, precision):
     return tuple(jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32) for w in ws)
 
 
-def pallas_products(x, ws, *, precision="float32", block_d=None):
+def pallas_products(x, ws, *, precision="float32", block_d=None, block_r=None):
     """``products`` through ``pallas_kernels.matmul``: in full fp32 (Triton's IEEE path on the
     FMA units, the faithful policy's math in our own kernel) or as three TF32 passes a tile,
     summed across tiles by a compensated add (``precision='tf32x3'``); the kernel's default
-    tiling for the shape, its D step ``block_d`` where given."""
+    tiling for the shape, its D step ``block_d`` and row block ``block_r`` where given."""
     interpret = jax.default_backend() == "cpu"
     out = []
     for w in ws:
-        blocks = kernel_blocks(x.shape[0], *w.shape, w.dtype, precision=precision, block_d=block_d)
+        blocks = kernel_blocks(
+            x.shape[0], *w.shape, w.dtype, precision=precision, block_d=block_d, block_r=block_r
+        )
         out.append(
             matmul(
                 x, w, precision=precision, out_dtype=jnp.float32, interpret=interpret, blocks=blocks
@@ -93,10 +96,12 @@ def program(algo: str):
     """The un-jitted program of ``--layers`` products under ``algo``."""
     if algo == "pallas_float32":
         return pallas_products
-    tf32x3 = re.fullmatch(r"pallas_tf32x3(?:_d(\d+))?", algo)
+    tf32x3 = re.fullmatch(r"pallas_tf32x3(?:_r(\d+))?(?:_d(\d+))?", algo)
     if tf32x3:
-        block_d = int(tf32x3.group(1)) if tf32x3.group(1) else None
-        return functools.partial(pallas_products, precision="tf32x3", block_d=block_d)
+        block_r, block_d = (int(g) if g else None for g in tf32x3.groups())
+        return functools.partial(
+            pallas_products, precision="tf32x3", block_d=block_d, block_r=block_r
+        )
     if algo == "tf32_pair":
         return pair_products
     return functools.partial(products, precision=precision_of(algo))

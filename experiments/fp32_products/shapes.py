@@ -46,13 +46,17 @@ def selected(all_shapes, names) -> list:
     return [row for row in all_shapes if any(row[0] == k or row[0].startswith(k) for k in names)]
 
 
-def kernel_blocks(R: int, D: int, F: int, dtype, *, precision: str, block_d=None) -> MatmulBlocks:
+def kernel_blocks(
+    R: int, D: int, F: int, dtype, *, precision: str, block_d=None, block_r=None
+) -> MatmulBlocks:
     """``pallas_kernels.matmul``'s tiling of an [R, D] x [D, F] product under ``precision``: its
-    default, with the D step ``block_d`` where given (and the D split chosen again for it).
-    What ``run.py`` times and ``ptx_check.py`` compiles."""
+    default, with the D step ``block_d`` and the row block ``block_r`` where given (and the D
+    split chosen again for them). What ``run.py`` times and ``ptx_check.py`` compiles."""
     blocks = default_blocks(R, D, F, dtype, fma=precision == "float32")
-    if block_d is None:
+    if block_d is None and block_r is None:
         return blocks
-    blocks = dataclasses.replace(blocks, block_d=block_d)
+    blocks = dataclasses.replace(
+        blocks, block_d=block_d or blocks.block_d, block_r=block_r, split_d=None
+    )
     split = default_split(R, D, F, jnp.dtype(dtype).itemsize, blocks)
     return dataclasses.replace(blocks, split_d=split)
