@@ -121,6 +121,10 @@ class MatmulBlocks:
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1: {self.num_stages}")
 
+    def rows_per_block(self, R: int) -> int:
+        """The row block this tiling gives a product of ``R`` rows: ``block_r``, or its default."""
+        return self.block_r or _block_r(R)
+
 
 def default_split(R: int, D: int, F: int, w_itemsize: int, blocks: MatmulBlocks) -> int:
     """How many programs share D: enough for ``_TARGET_PROGRAMS`` in all, within the budget.
@@ -131,7 +135,7 @@ def default_split(R: int, D: int, F: int, w_itemsize: int, blocks: MatmulBlocks)
     ``_MAX_PARTIAL_FRACTION`` of the weight; among those, a count that divides D's blocks evenly
     is preferred (then no load is masked along D), if one is within a factor of two of it.
     """
-    n_cols = pl.cdiv(F, blocks.block_f) * pl.cdiv(R, blocks.block_r or _block_r(R))
+    n_cols = pl.cdiv(F, blocks.block_f) * pl.cdiv(R, blocks.rows_per_block(R))
     if n_cols >= _TARGET_PROGRAMS:
         return 1
     n_d = pl.cdiv(D, blocks.block_d)
@@ -328,7 +332,7 @@ def matmul(
     dot_precision = _dot_precision(precision, x.dtype)
     if blocks is None:
         blocks = default_blocks(R, D, F, w.dtype, fma=dot_precision == _HIGHEST)
-    bR = blocks.block_r or _block_r(R)
+    bR = blocks.rows_per_block(R)
     split = blocks.split_d or default_split(R, D, F, jnp.dtype(w.dtype).itemsize, blocks)
     steps = pl.cdiv(pl.cdiv(D, blocks.block_d), split)
     chunk = steps * blocks.block_d

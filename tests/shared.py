@@ -37,6 +37,9 @@ from voicechat_jax.engine import Engine, build_template
 from voicechat_jax.model import voicechat
 
 CFG: ModelConfig = tiny()
+# Checkpoint shards small enough to split the tiny model's stacked leaves by layer (about 110
+# shards), few enough that writing and restoring them stays cheap (each shard is one orbax call).
+SMALL_SHARDS = 16384
 
 
 def sub_jaxprs(eqn) -> list:

@@ -433,7 +433,7 @@ def _start(release, dst) -> subprocess.Popen:
         f"--dst={dst}",
         f"--llm_config={release['llm_config']}",
         "--precision=fp32",
-        "--shard_bytes=16384",  # about 110 shards: a conversion that takes a few seconds
+        f"--shard_bytes={shared.SMALL_SHARDS}",  # a conversion that takes a few seconds
     ]
     return subprocess.Popen(
         cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -38,9 +38,6 @@ from voicechat_jax.release_config import config_to_release
 from voicechat_jax.serving import audio as audio_lib
 
 F32 = Precision.fp32()
-# Shards small enough to split the stacked leaves by layer (about 110 shards for the tiny model),
-# few enough that writing and restoring them stays cheap (each shard is one orbax call).
-SMALL_SHARDS = 16384
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_FRAMES = 24  # served: 12 beats of 2 frames
 SPF = 1280
@@ -112,7 +109,8 @@ def test_reference_precision_casts_each_leaf_to_its_policy(release, nemo_tiny, t
         llm_config=release["llm_config"],
         tokenizer=release["tokenizer"],
         precision=ref_precision,
-        shard_bytes=SMALL_SHARDS,  # split leaves: the text table is precomputed from the pieces too
+        # split leaves: the text table is precomputed from the pieces too
+        shard_bytes=shared.SMALL_SHARDS,
     )
     _, params, _ = ckpt.restore(dst, ref_precision)
     chars = char_encoder.char_table(release["tokenizer"])
@@ -139,7 +137,7 @@ def test_split_shards_without_tokenizer(release, converted, tmp_path):
         dst,
         llm_config=release["llm_config"],
         precision=F32,
-        shard_bytes=SMALL_SHARDS,
+        shard_bytes=shared.SMALL_SHARDS,
     )
     index = json.loads((dst / "params" / "index.json").read_text())
     assert ckpt.TEXT_TABLE not in index["leaves"]

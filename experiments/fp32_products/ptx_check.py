@@ -22,7 +22,6 @@ import tempfile
 import jax
 import jax.numpy as jnp
 from absl import app, flags
-from jax.experimental import pallas as pl
 
 from experiments import harness
 from experiments.fp32_products.shapes import kernel_blocks, selected, shapes
@@ -66,7 +65,7 @@ def main(argv):
                         "shape": name, "R": R, "D": D, "F": F, "precision": precision,
                         "block_f": blocks.block_f, "block_d": blocks.block_d,
                         "split_d": blocks.split_d, "num_warps": blocks.num_warps,
-                        "block_r": blocks.block_r or min(128, pl.next_power_of_2(R)),
+                        "block_r": blocks.rows_per_block(R),
                         "registers": r["registers"], "spill_store_bytes": r["spill_store_bytes"],
                         "shared_bytes": r["shared_bytes"],
                         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
