@@ -53,44 +53,33 @@ $log"
 stages2="python3 experiments/attention_product/run.py --slots=96 --num_stages=2 \
 --products=codec_pw1_3_half,codec_pw2_3_half,codec_pw1_2,tts_gate_up --label=stages2 \
 --out=$R/attention_product.jsonl $log"
-# issue 33, step 2, in our own kernel (added 2026-12-07): every fp32 product of a frame at 96
-# sessions as pallas_kernels.matmul's 'tf32x3' (three TF32 passes a D step, the steps summed by
-# a compensated add on the FMA units), its default step and 16 rows, against XLA's full fp32: is
-# its error against float64 at most full fp32's on every shape (XLA's own three-pass preset was
-# not, on the codec's long contractions), and how much faster? Compiled for sm_90a here, no
-# spills (experiments/fp32_products/ptx_check.py). A few minutes; on either card.
-# pallas_tf32x3_r64 (added 2026-12-07, 20:00 UTC): the 192 rows of the speech decoder's products
-# at 96 slots as three row blocks of 64 (each streams the weight) instead of 128 + 64 padded.
-tf32x3="python3 experiments/fp32_products/run.py --slots=96 --shapes=tts,mog,enc,codec \
---algorithms=float32,pallas_tf32x3,pallas_tf32x3_d16,pallas_tf32x3_r64 \
---out=$R/fp32_products.jsonl $log"
-# then in the tick (codec_in_attention, added 2026-12-06: each frame's codec products in the next
-# frame's 28 attention launches, 21 of them fused at 11B), against the reference tick on the
-# same machine, every cache full
-# (and then a frame behind, codec_frame_behind, added 2026-12-07: every frame's codec in attention
-# launches, the beat's last frame's in the next beat's first, 42 fused at 11B; the audio 80 ms
-# later)
-# The fused launch needs the speech decoder's G = 1 kernel, the auto choice from 56 slots: below
-# that (40 on an H100) all three profiles ask for it, the reference too, so that they differ in
-# the codec's place only (without it, 0 fused launches at 40: experiments/lower_for_cuda.py).
+# Measured out on an H100 on 2026-12-07 (b42282b) and no longer queued: pallas_kernels.matmul's
+# 'tf32x3' (three TF32 passes a D step, the steps summed on the FMA units) is more exact than full
+# fp32 on every fp32 product of the 96-slot tick but 0.24-0.66x its speed (1.04x on one), at any
+# row block or step (experiments/fp32_products/results/h100_k3_96.jsonl), and the tick under
+# --policy=pallas_tf32x3 took 137.6 ms against 103.5 at 40 slots (experiments/tick_profile).
+# issue 33, step 4 in the tick: the reference tick, then the codec's products in the speech
+# decoder's attention launches a frame behind (codec_in_attention, 2026-12-06, and
+# codec_frame_behind, 2026-12-07: 56 fused launches at 11B, the audio 80 ms later), every cache
+# full, on the same machine. On an H100 at 40 slots (2026-12-07, b42282b) neither form hid the
+# codec: kernels 84.4 ms (in attention) and 82.5 (a frame behind) busy against 85.2, the tick
+# 110.8 and 101.6 ms (probes 97.7-108.2) against 103.5; the H200's 96 slots, where the attention
+# is longer, are what is left to ask. The fused launch needs the speech decoder's G = 1 kernel,
+# the auto choice from 56 slots: below that (40 on an H100) both profiles ask for it, so that
+# they differ in the codec's place only (without it, 0 fused launches at 40:
+# experiments/lower_for_cuda.py).
 g1=$((slots >= 56 ? 0 : 1))
 if ((g1)); then full+=" --tts_attention=pallas_mha"; fi
-# (and, right after the reference, the same tick under pallas_tf32x3, added 2026-12-07: the
-# encoder's, the speech decoder's and the codec's fp32 products in the tf32x3 kernel above; the
-# digests say whether its tokens and codes are the reference's)
 beside="$prof $full --out_dir=/tmp/tp_ref_$slots $log; $(keep_profile ref_$slots); \
-$prof $full --policy=pallas_tf32x3 --out_dir=/tmp/tp_k3_$slots $log; \
-$(keep_profile k3_$slots); \
-$prof $full --codec_in_attention --out_dir=/tmp/tp_cia_$slots $log; $(keep_profile cia_$slots); \
 $prof $full --codec_in_attention --codec_frame_behind --out_dir=/tmp/tp_cfb_$slots $log; \
 $(keep_profile cfb_$slots)"
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
-  # issue 33's overlap first, at the kernel and in the tick (a call cut short by the device time
-  # still answers whether it pays); then issue 30: the resident loop (the default on one device
-  # since fa8f3ea, chosen on H100s) at the target's count, against the dispatch loop's 127.0 ms
-  # p99 of 2026-12-05; then the aims (96 faithful, 128 bf16) on the default loop, and issue 33's
+  # issue 30 first: the resident loop (the default on one device since fa8f3ea, chosen on
+  # H100s) at the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then
+  # issue 33's overlap in the tick and at the kernel (on an H100 at 40 slots, 2026-12-07, it hid
+  # nothing: above); then the aims (96 faithful, 128 bf16) on the default loop, and issue 33's
   # tick at 112.
-  cmds=("$tf32x3" "$beside" "$fused" "$cap --sessions=80 --policies=reference --loops=resident $log")
+  cmds=("$cap --sessions=80 --policies=reference --loops=resident $log" "$beside" "$fused")
   cmds+=("$stages2")
   # a second start of the same point: its resident loop loaded from the cache (callback_cache,
   # 88f9fa3) instead of compiled; the row's compile_s says how long the load took (4 s of
@@ -107,7 +96,7 @@ else  # an H100 (2026-12-06: 84 bf16 held on the resident loop at ad5eda7, p99 1
   # dispatch loop at 0ced39c on another machine, p99 134.7; 51 faithful on both loops at
   # 94d43d0; its second start loaded the resident loop in 13.2 s; 92 bf16 do not fit, 85 do)
   # the 84-session bf16 pair on one machine, which the rows lack: dispatch, then resident
-  cmds=("$tf32x3" "$beside" "$fused" "$stages2")
+  cmds=("$fused" "$stages2")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()

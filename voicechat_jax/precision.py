@@ -48,6 +48,9 @@ MATMUL = ("float32", "tensorfloat32")
 # only one short step of the contraction on the matrix units and adds the steps on the FMA units
 # by a compensated sum (``pallas_kernels.matmul``, precision 'tf32x3'); XLA's preset was less
 # exact than full fp32 on the codec's long contractions (an H100, 2026-12-06).
+# Measured on an H100 (2026-12-07, b42282b): more exact than full fp32 on every fp32 product of
+# the 96-slot tick, but 0.24-0.66x its speed on all but one, and the 40-slot tick 33 % slower
+# (``experiments/fp32_products``); it stays outside the faithful policy.
 CODEC_MATMUL = (*MATMUL, "tf32_x3", "bf16_x6", "pallas_tf32x3")
 _PRESETS = {"tf32_x3": "TF32_TF32_F32_X3", "bf16_x6": "BF16_BF16_F32_X6"}
 # The speech decoder's weight products (its backbone's and the MoG trunk's): None follows
@@ -213,11 +216,11 @@ class Precision:
     def pallas_tf32x3_tts_codec(cls) -> Precision:
         """The reference policy with the speech decoder's weight products (backbone, MoG trunk)
         and the codec decoder's products in ``pallas_kernels.matmul`` as three TF32 passes a
-        contraction step, the steps added by a compensated sum (``'pallas_tf32x3'``). A
-        candidate stand-in for the faithful fp32 products, not yet one: it may stand in only if
-        its error against float64 is at most full fp32's on every shape on the GPU and the
-        served tokens and codes do not change (``experiments/fp32_products``; not yet measured
-        on a GPU). Full fp32 off a GPU.
+        contraction step, the steps added by a compensated sum (``'pallas_tf32x3'``). Not a
+        stand-in for the faithful fp32 products: on an H100 (2026-12-07,
+        ``experiments/fp32_products``, 96 slots) its error against float64 was below full
+        fp32's on every shape (rms 1.3-2.0e-7 against 2.7-8.6e-7), but it ran at 0.24-0.66x
+        XLA's full-fp32 product on all shapes but one (1.04x). Full fp32 off a GPU.
         """
         return cls(tts_matmul="pallas_tf32x3", codec_matmul="pallas_tf32x3")
 
@@ -225,7 +228,9 @@ class Precision:
     def pallas_tf32x3(cls) -> Precision:
         """``pallas_tf32x3_tts_codec`` with the Conformer layers' weight products in the same
         kernel: every fp32 weight product of the tick but the encoder's subsampling and
-        projection, the LLM's bf16 ones untouched. The same candidate, on the same terms."""
+        projection, the LLM's bf16 ones untouched. On an H100 at 40 slots, every cache full
+        (2026-12-07, ``experiments/tick_profile``), the tick took 137.6 ms against the
+        reference's 103.5."""
         return cls(
             encoder_matmul="pallas_tf32x3", tts_matmul="pallas_tf32x3", codec_matmul="pallas_tf32x3"
         )
