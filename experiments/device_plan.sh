@@ -58,6 +58,15 @@ stages2="python3 experiments/attention_product/run.py --slots=96 --num_stages=2 
 # fp32 on every fp32 product of the 96-slot tick but 0.24-0.66x its speed (1.04x on one), at any
 # row block or step (experiments/fp32_products/results/h100_k3_96.jsonl), and the tick under
 # --policy=pallas_tf32x3 took 137.6 ms against 103.5 at 40 slots (experiments/tick_profile).
+# issue 33, step 2 (added 2026-12-07, 22:10 UTC): XLA's three-pass TF32 preset was less exact
+# than full fp32 on the codec's shapes (2026-12-06) and our own compensated kernel, exact, was
+# 0.24-0.66x its speed (above). The same sums through cuBLAS: each contraction cut into steps of
+# 128 or 256 rows, each step under the preset in one batched dot, the steps added by a Kahan sum
+# in fp32 (experiments/fp32_products, <algorithm>_c<N>). Exact where the preset was not, and
+# faster than full fp32? About 4 minutes; on either card.
+chunked="python3 experiments/fp32_products/run.py --slots=96 --shapes=tts,mog,enc,codec \
+--algorithms=float32,TF32_TF32_F32_X3_c128,TF32_TF32_F32_X3_c256 \
+--out=$R/fp32_products.jsonl $log"
 # issue 33, step 4 in the tick: the reference tick, then the codec's products in the speech
 # decoder's attention launches a frame behind (codec_in_attention, 2026-12-06, and
 # codec_frame_behind, 2026-12-07: 56 fused launches at 11B, the audio 80 ms later), every cache
@@ -79,7 +88,8 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
   # issue 33's overlap in the tick and at the kernel (on an H100 at 40 slots, 2026-12-07, it hid
   # nothing: above); then the aims (96 faithful, 128 bf16) on the default loop, and issue 33's
   # tick at 112.
-  cmds=("$cap --sessions=80 --policies=reference --loops=resident $log" "$beside" "$fused")
+  cmds=("$cap --sessions=80 --policies=reference --loops=resident $log" "$chunked" "$beside")
+  cmds+=("$fused")
   cmds+=("$stages2")
   # a second start of the same point: its resident loop loaded from the cache (callback_cache,
   # 88f9fa3) instead of compiled; the row's compile_s says how long the load took (4 s of
@@ -96,7 +106,7 @@ else  # an H100 (2026-12-06: 84 bf16 held on the resident loop at ad5eda7, p99 1
   # dispatch loop at 0ced39c on another machine, p99 134.7; 51 faithful on both loops at
   # 94d43d0; its second start loaded the resident loop in 13.2 s; 92 bf16 do not fit, 85 do)
   # the 84-session bf16 pair on one machine, which the rows lack: dispatch, then resident
-  cmds=("$fused" "$stages2")
+  cmds=("$chunked" "$fused" "$stages2")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()

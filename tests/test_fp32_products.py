@@ -1,5 +1,6 @@
 """experiments/fp32_products' list of the codec's products against the codec decoder's own step
-at the release's shapes (traced, not run): the experiment times the products the tick runs."""
+at the release's shapes (traced, not run): the experiment times the products the tick runs; and its
+chunked products against the whole one."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 
 from experiments.fp32_products import shapes as fp32_products
 from voicechat_jax import config as config_lib
@@ -50,3 +52,21 @@ def test_the_codec_rows_are_the_codec_steps_products():
     covered = sum(2 * rows * D * F * count for _, rows, D, F, count in listed)
     # what is left out: the output projection to the spectrum and the inverse FFT's two products
     assert 0.99 * flops <= covered <= flops, (covered, flops)
+
+
+def test_chunked_products_equal_the_whole_product():
+    """``<algorithm>_c<N>``: a contraction of 100 in steps of 32 (the last padded with zeros),
+    each step's product apart and the steps added by a compensated sum, equals the one product
+    to fp32 rounding, and is no further from float64 than it."""
+    from experiments.fp32_products import run
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 100)).astype(np.float32)
+    w = (rng.standard_normal((100, 40)) / 10).astype(np.float32)
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    (whole,) = run.program("float32")(jnp.asarray(x), (jnp.asarray(w),))
+    (wc,) = run.weights_for("float32_c32", (jnp.asarray(w),))
+    assert wc.shape == (4, 32, 40)
+    (chunked,) = jax.jit(run.program("float32_c32"))(jnp.asarray(x), (wc,))
+    np.testing.assert_allclose(chunked, whole, rtol=0, atol=2e-6)
+    assert run.errors(np.asarray(chunked), ref)["max_rel"] <= 2e-7

@@ -37,7 +37,9 @@ flags.DEFINE_list(
     "float32 (HIGHEST), tensorfloat32 (HIGH), a jax.lax.DotAlgorithmPreset name, "
     "pallas_float32 (pallas_kernels.matmul in full fp32), pallas_tf32x3[_rM][_dN] (the same "
     "kernel, three TF32 passes a D step of N rows, compensated sums across steps; row blocks of "
-    "M rows), or tf32_pair (one "
+    "M rows), <any of these XLA algorithms>_c<N> (the contraction in steps of N rows, each step "
+    "under the algorithm in one batched dot, the steps summed by a compensated add), or "
+    "tf32_pair (one "
     "TF32 product by "
     "the weight's [hi | lo] pair, made before the clock: model.common.dense_tf32_pair). The "
     "H100 run of 2026-12-05 had all five of float32, tensorfloat32, TF32_TF32_F32_X3, "
@@ -87,9 +89,47 @@ def pallas_products(x, ws, *, precision="float32", block_d=None, block_r=None):
     return tuple(out)
 
 
+def chunked_weight(w, chunk: int):
+    """[D, F] -> [n, chunk, F]: the contraction cut into n steps of ``chunk`` rows, the last
+    padded with zeros (exact: a zero row adds nothing). Laid out once, before the clock, as the
+    engine would lay out its params."""
+    D, F = w.shape
+    n = -(-D // chunk)
+    return jnp.pad(w, ((0, n * chunk - D), (0, 0))).reshape(n, chunk, F)
+
+
+def chunked_products(x, wcs, *, precision):
+    """``products`` with each contraction cut into steps (``chunked_weight``): every step's
+    product under ``precision`` in one batched dot (each step's running sum held in the matrix
+    units for ``chunk`` terms only), the steps' fp32 partials added by a compensated (Kahan)
+    sum. Where a multi-pass preset loses to full fp32 on a long contraction, the loss gathered
+    over the whole contraction inside the matrix units; this keeps it to one step's."""
+    out = []
+    for wc in wcs:
+        n, chunk, _ = wc.shape
+        R, D = x.shape
+        xc = jnp.pad(x, ((0, 0), (0, n * chunk - D))).reshape(R, n, chunk)
+        parts = jnp.einsum(
+            "rnd,ndf->nrf", xc, wc, precision=precision, preferred_element_type=jnp.float32
+        )
+        total, carry = parts[0], jnp.zeros_like(parts[0])
+        for i in range(1, n):  # Kahan: ``carry`` holds what the last add rounded away
+            y = parts[i] - carry
+            t = total + y
+            carry = (t - total) - y
+            total = t
+        out.append(total)
+    return tuple(out)
+
+
 def pair_products(x, pairs):
     """``products`` as ``dense_tf32_pair`` runs them: each weight given as its TF32 pair."""
     return tuple(dense_tf32_pair(x, p) for p in pairs)
+
+
+# "<algorithm>_c<N>": the contraction in steps of N rows, each under <algorithm>, the steps
+# summed in fp32 by a compensated add (``chunked_products``).
+_CHUNKED = re.compile(r"(.+)_c(\d+)")
 
 
 def program(algo: str):
@@ -104,6 +144,9 @@ def program(algo: str):
         )
     if algo == "tf32_pair":
         return pair_products
+    chunked = _CHUNKED.fullmatch(algo)
+    if chunked:
+        return functools.partial(chunked_products, precision=precision_of(chunked.group(1)))
     return functools.partial(products, precision=precision_of(algo))
 
 
@@ -112,6 +155,10 @@ def weights_for(algo: str, ws):
     the engine would when it lays the params out), the fp32 weights otherwise."""
     if algo == "tf32_pair":
         return tuple(jax.block_until_ready(tf32_pair(w)) for w in ws)
+    chunked = _CHUNKED.fullmatch(algo)
+    if chunked:
+        chunk = int(chunked.group(2))
+        return tuple(jax.block_until_ready(chunked_weight(w, chunk)) for w in ws)
     return ws
 
 
