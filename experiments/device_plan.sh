@@ -58,7 +58,7 @@ stages2="python3 experiments/attention_product/run.py --slots=96 --num_stages=2 
 # fp32 on every fp32 product of the 96-slot tick but 0.24-0.66x its speed (1.04x on one), at any
 # row block or step (experiments/fp32_products/results/h100_k3_96.jsonl), and the tick under
 # --policy=pallas_tf32x3 took 137.6 ms against 103.5 at 40 slots (experiments/tick_profile).
-# issue 33, step 2 (added 2026-12-07, 22:10 UTC): XLA's three-pass TF32 preset was less exact
+# issue 33, step 2 (added 2026-12-07, 21:50 UTC): XLA's three-pass TF32 preset was less exact
 # than full fp32 on the codec's shapes (2026-12-06) and our own compensated kernel, exact, was
 # 0.24-0.66x its speed (above). The same sums through cuBLAS: each contraction cut into steps of
 # 128 or 256 rows, each step under the preset in one batched dot, the steps added by a Kahan sum
