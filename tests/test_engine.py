@@ -207,7 +207,7 @@ def test_served_frames_equal_the_model_alone(engine, params):
     x = _speech(2, 30)
     server = _serve(engine, [SessionPlan(id="m", audio=x)], 6)
     served = _out(server, "m")
-    template = voicechat.initial_state(params, cfg=CFG, precision=PREC, max_len=64)
+    template = shared.template(engine.serve)  # the served sessions' own fresh state
     advance = jax.jit(
         functools.partial(voicechat.advance, cfg=CFG, precision=PREC, deterministic=False)
     )
@@ -320,7 +320,7 @@ def test_served_products_are_one_leaf_per_layer(engine, params):
     (``test_served_frames_equal_the_model_alone``)."""
     products = {".in_proj", ".out_proj", ".up", ".down", ".q", ".k", ".v", ".o", ".gate"}
     products |= {".qkv", ".gate_up"}
-    template = voicechat.initial_state(params, cfg=CFG, precision=PREC, max_len=64)
+    template = shared.template(engine.serve)
 
     def streamed(paths):
         ours = (p for p in paths if any(f".{x}." in p for x in ("llm", "backbone", "mog")))

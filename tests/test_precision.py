@@ -106,7 +106,7 @@ def test_tf32x3_reaches_the_speech_decoders_weight_products_alone(monkeypatch):
     assert _lowered_tick(prec) == _lowered_tick(Precision.reference())
 
     params = voicechat.serving_layout(shared.params("fp32"))
-    template = voicechat.initial_state(params, cfg=CFG, precision=Precision.fp32(), max_len=16)
+    template = _abstract_template(params)
     lax_precision_gpu = functools.partial(lax_precision, platform="gpu")
     monkeypatch.setattr(precision_lib, "lax_precision", lambda m, _=None: lax_precision_gpu(m))
     step = functools.partial(voicechat.advance, cfg=CFG, precision=prec, deterministic=False)
@@ -208,7 +208,7 @@ def test_tf32_pair_reaches_the_speech_decoders_weight_products_alone():
     want = mog.trunk(fp32.tts.mog, x, cfg=t)
     np.testing.assert_allclose(mog.trunk(m, x, cfg=t), want, rtol=2e-5, atol=2e-5)
 
-    template = voicechat.initial_state(params, cfg=CFG, precision=Precision.fp32(), max_len=16)
+    template = _abstract_template(params)
     step = functools.partial(voicechat.advance, cfg=CFG, precision=prec, deterministic=False)
     audio, key = jnp.zeros((1, 1280), jnp.float32), jax.random.key_data(jax.random.key(0))[None]
     jaxpr = jax.make_jaxpr(step)(params, template, audio, key).jaxpr
@@ -225,8 +225,16 @@ def test_the_policy_lives_in_serve_config():
         ServeConfig(precision="fp8")
 
 
-@functools.cache  # each policy's tick is lowered once for the file
-@functools.cache  # the faithful tick is lowered for three tests: ~4 s of CPU each time
+def _abstract_template(params):
+    """The fresh-session state's shapes, for tests that only trace a frame (computing it op by
+    op compiles some 500 primitives)."""
+    return jax.eval_shape(
+        lambda p: voicechat.initial_state(p, cfg=CFG, precision=Precision.fp32(), max_len=16),
+        params,
+    )
+
+
+@functools.cache  # each policy's tick is lowered once for the file (the faithful one: 3 tests)
 def _lowered_tick(precision: Precision) -> str:
     params = jax.eval_shape(lambda: voicechat.init(jax.random.key(0), CFG, precision))
     template = jax.eval_shape(
