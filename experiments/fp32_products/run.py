@@ -22,6 +22,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import harness
+from experiments.fp32_products.chunked import chunked_products, chunked_weight
 from experiments.fp32_products.shapes import kernel_blocks, selected, shapes
 from pallas_kernels.matmul import matmul
 from voicechat_jax import config as config_lib
@@ -86,39 +87,6 @@ def pallas_products(x, ws, *, precision="float32", block_d=None, block_r=None):
                 x, w, precision=precision, out_dtype=jnp.float32, interpret=interpret, blocks=blocks
             )
         )
-    return tuple(out)
-
-
-def chunked_weight(w, chunk: int):
-    """[D, F] -> [n, chunk, F]: the contraction cut into n steps of ``chunk`` rows, the last
-    padded with zeros (exact: a zero row adds nothing). Laid out once, before the clock, as the
-    engine would lay out its params."""
-    D, F = w.shape
-    n = -(-D // chunk)
-    return jnp.pad(w, ((0, n * chunk - D), (0, 0))).reshape(n, chunk, F)
-
-
-def chunked_products(x, wcs, *, precision):
-    """``products`` with each contraction cut into steps (``chunked_weight``): every step's
-    product under ``precision`` in one batched dot (each step's running sum held in the matrix
-    units for ``chunk`` terms only), the steps' fp32 partials added by a compensated (Kahan)
-    sum. Where a multi-pass preset loses to full fp32 on a long contraction, the loss gathered
-    over the whole contraction inside the matrix units; this keeps it to one step's."""
-    out = []
-    for wc in wcs:
-        n, chunk, _ = wc.shape
-        R, D = x.shape
-        xc = jnp.pad(x, ((0, 0), (0, n * chunk - D))).reshape(R, n, chunk)
-        parts = jnp.einsum(
-            "rnd,ndf->nrf", xc, wc, precision=precision, preferred_element_type=jnp.float32
-        )
-        total, carry = parts[0], jnp.zeros_like(parts[0])
-        for i in range(1, n):  # Kahan: ``carry`` holds what the last add rounded away
-            y = parts[i] - carry
-            t = total + y
-            carry = (t - total) - y
-            total = t
-        out.append(total)
     return tuple(out)
 
 

@@ -1,0 +1,40 @@
+"""The contraction in steps (``--algorithms=<algorithm>_c<N>`` of ``run.py``): each step's
+product under an XLA algorithm, the steps added by a compensated sum. Apart from ``run.py``, which
+defines absl flags, so that tests import it beside other experiments."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def chunked_weight(w, chunk: int):
+    """[D, F] -> [n, chunk, F]: the contraction cut into n steps of ``chunk`` rows, the last
+    padded with zeros (exact: a zero row adds nothing). Laid out once, before the clock, as the
+    engine would lay out its params."""
+    D, F = w.shape
+    n = -(-D // chunk)
+    return jnp.pad(w, ((0, n * chunk - D), (0, 0))).reshape(n, chunk, F)
+
+
+def chunked_products(x, wcs, *, precision):
+    """``products`` with each contraction cut into steps (``chunked_weight``): every step's
+    product under ``precision`` in one batched dot (each step's running sum held in the matrix
+    units for ``chunk`` terms only), the steps' fp32 partials added by a compensated (Kahan)
+    sum. Where a multi-pass preset loses to full fp32 on a long contraction, the loss gathered
+    over the whole contraction inside the matrix units; this keeps it to one step's."""
+    out = []
+    for wc in wcs:
+        n, chunk, _ = wc.shape
+        R, D = x.shape
+        xc = jnp.pad(x, ((0, 0), (0, n * chunk - D))).reshape(R, n, chunk)
+        parts = jnp.einsum(
+            "rnd,ndf->nrf", xc, wc, precision=precision, preferred_element_type=jnp.float32
+        )
+        total, carry = parts[0], jnp.zeros_like(parts[0])
+        for i in range(1, n):  # Kahan: ``carry`` holds what the last add rounded away
+            y = parts[i] - carry
+            t = total + y
+            carry = (t - total) - y
+            total = t
+        out.append(total)
+    return tuple(out)
