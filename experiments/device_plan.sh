@@ -82,6 +82,14 @@ if ((g1)); then full+=" --tts_attention=pallas_mha"; fi
 beside="$prof $full --out_dir=/tmp/tp_ref_$slots $log; $(keep_profile ref_$slots); \
 $prof $full --codec_in_attention --codec_frame_behind --out_dir=/tmp/tp_cfb_$slots $log; \
 $(keep_profile cfb_$slots)"
+# then the tick under tf32x3_steps (added 2026-12-07, 22:35 UTC): the encoder's, the speech
+# decoder's and the codec's fp32 products as the chunked products above, in steps of up to 256
+# rows (common.dense_in_steps), against the reference tick on the same machine; its digests say
+# whether the tokens and codes move. Worth reading only if the products above were as exact as
+# full fp32 on every shape.
+reference="$prof $full --out_dir=/tmp/tp_ref_$slots $log; $(keep_profile ref_$slots)"
+steps="$prof $full --policy=tf32x3_steps --out_dir=/tmp/tp_steps_$slots $log; \
+$(keep_profile steps_$slots)"
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)
   # issue 30 first: the resident loop (the default on one device since fa8f3ea, chosen on
   # H100s) at the target's count, against the dispatch loop's 127.0 ms p99 of 2026-12-05; then
@@ -89,7 +97,7 @@ if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held
   # nothing: above); then the aims (96 faithful, 128 bf16) on the default loop, and issue 33's
   # tick at 112.
   cmds=("$cap --sessions=80 --policies=reference --loops=resident $log" "$chunked" "$beside")
-  cmds+=("$fused")
+  cmds+=("$steps" "$fused")
   cmds+=("$stages2")
   # a second start of the same point: its resident loop loaded from the cache (callback_cache,
   # 88f9fa3) instead of compiled; the row's compile_s says how long the load took (4 s of
@@ -106,7 +114,7 @@ else  # an H100 (2026-12-06: 84 bf16 held on the resident loop at ad5eda7, p99 1
   # dispatch loop at 0ced39c on another machine, p99 134.7; 51 faithful on both loops at
   # 94d43d0; its second start loaded the resident loop in 13.2 s; 92 bf16 do not fit, 85 do)
   # the 84-session bf16 pair on one machine, which the rows lack: dispatch, then resident
-  cmds=("$chunked" "$fused" "$stages2")
+  cmds=("$chunked" "$reference" "$steps" "$fused" "$stages2")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=dispatch $log")
   cmds+=("$cap --sessions=84 --policies=bf16_tts_kv_tf32x3_codec --loops=resident $log")
   last=()

@@ -39,6 +39,7 @@ def test_policies_by_name():
         "tf32pair_tts",
         "pallas_tf32x3_tts_codec",
         "pallas_tf32x3",
+        "tf32x3_steps",
     }
     assert policy("tf32pair_tts") == Precision(tts_matmul="tf32_pair")
     assert policy("tf32x3_tts_codec") == Precision(tts_matmul="tf32_x3", codec_matmul="tf32_x3")
@@ -163,6 +164,50 @@ def test_pallas_tf32x3_reaches_the_encoder_the_speech_decoder_and_the_codec(monk
     _, want, _ = step(params.encoder, enc, samples, precision=Precision.fp32())
     kernel = dataclasses.replace(Precision.fp32(), encoder_matmul="pallas_tf32x3")
     _, got, _ = step(params.encoder, enc, samples, precision=kernel)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_tf32x3_steps_reach_the_encoder_the_speech_decoder_and_the_codec(monkeypatch):
+    """``tf32x3_steps``: on a GPU every product that ``pallas_tf32x3`` gives our kernel is one
+    batched dot over steps of the contraction (``common.dense_in_steps``, traced here as on a
+    GPU; the CPU runs the steps in full fp32), and the encoder's frames equal full fp32's to
+    summation order. Off the GPU the policy's tick is the reference tick, op for op."""
+    prec = Precision.tf32x3_steps()
+    assert policy("tf32x3_steps") == prec
+    steps = precision_lib.KernelProduct.TF32X3_STEPS
+    assert prec.tts_product("gpu") is steps
+    assert prec.encoder_product("gpu") is steps
+    assert prec.encoder_product("cpu") == jax.lax.Precision.HIGHEST
+    assert _lowered_tick(prec) == _lowered_tick(Precision.reference())
+
+    params = voicechat.serving_layout(shared.params("fp32"))
+    gpu = functools.partial(lax_precision, platform="gpu")
+    monkeypatch.setattr(precision_lib, "lax_precision", lambda m, _=None: gpu(m))
+    monkeypatch.setattr(codec, "lax_precision", lambda m, _=None: gpu(m))
+    audio, key = jnp.zeros((1, 1280), jnp.float32), jax.random.key_data(jax.random.key(0))[None]
+    step = functools.partial(voicechat.advance, cfg=CFG, precision=prec, deterministic=False)
+    jaxpr = jax.make_jaxpr(step)(params, _abstract_template(params), audio, key).jaxpr
+    # dense_in_steps's one batched dot: "mnd,ndf->nmf", the steps as its batch dimension
+    stepped = [e for e in _dots(jaxpr) if e.params["dimension_numbers"][1] == ((1,), (0,))]
+    t, c = CFG.tts, CFG.codec
+    codec_products = len(codec._decoder_dims(c)) * (1 + 2 * c.num_blocks) + 1
+    tts_products = 4 * t.n_layers + 2 * t.mog_mlp_layers * len(ear_tts.schedule(t))
+    assert len(stepped) == tts_products + codec_products + 10  # the encoder: as pallas_tf32x3
+
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((2, 3, 1152)), jnp.float32)  # steps of 128: 9
+    w = jnp.asarray(rng.standard_normal((1152, 40)) / 34, jnp.float32)
+    want = jnp.einsum("...i,io->...o", x, w, precision=jax.lax.Precision.HIGHEST)
+    got = common.dense(x, w, precision=steps)
+    assert got.shape == (2, 3, 40)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+    enc = voicechat.initial_state(params, cfg=CFG, precision=Precision.fp32(), max_len=16).encoder
+    samples = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2 * 1280)), jnp.float32)
+    encoder_step = functools.partial(conformer.encoder_step, cfg=CFG.encoder)
+    _, want, _ = encoder_step(params.encoder, enc, samples, precision=Precision.fp32())
+    stepped_prec = dataclasses.replace(Precision.fp32(), encoder_matmul="tf32_x3_steps")
+    _, got, _ = encoder_step(params.encoder, enc, samples, precision=stepped_prec)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 

@@ -51,7 +51,11 @@ MATMUL = ("float32", "tensorfloat32")
 # Measured on an H100 (2026-12-07, b42282b): more exact than full fp32 on every fp32 product of
 # the 96-slot tick, but 0.24-0.66x its speed on all but one, and the 40-slot tick 33 % slower
 # (``experiments/fp32_products``); it stays outside the faithful policy.
-CODEC_MATMUL = (*MATMUL, "tf32_x3", "bf16_x6", "pallas_tf32x3")
+# 'tf32_x3_steps' (2026-12-07, an experiment): the same arithmetic through XLA's dots: the
+# contraction in steps of ``common.STEP_ROWS`` rows, each step's product under the three-pass
+# preset, the steps added by a compensated sum (``common.dense_in_steps``); not yet measured on a
+# GPU (``experiments/fp32_products``, ``<algorithm>_c<N>``).
+CODEC_MATMUL = (*MATMUL, "tf32_x3", "bf16_x6", "pallas_tf32x3", "tf32_x3_steps")
 _PRESETS = {"tf32_x3": "TF32_TF32_F32_X3", "bf16_x6": "BF16_BF16_F32_X6"}
 # The speech decoder's weight products (its backbone's and the MoG trunk's): None follows
 # ``matmul``; 'tf32_x3' runs them as three TF32 passes on a GPU (``experiments/fp32_products``:
@@ -60,17 +64,18 @@ _PRESETS = {"tf32_x3": "TF32_TF32_F32_X3", "bf16_x6": "BF16_BF16_F32_X6"}
 # (``voicechat.serving_layout``) and runs each as one TF32 product of the split input by the
 # pair (``common.dense_tf32_pair``: four partial products, each exact), full fp32 of the same
 # split operands off a GPU.
-# 'pallas_tf32x3' as for the codec.
-TTS_MATMUL = (None, "tf32_x3", "tf32_pair", "pallas_tf32x3")
+# 'pallas_tf32x3' and 'tf32_x3_steps' as for the codec.
+TTS_MATMUL = (None, "tf32_x3", "tf32_pair", "pallas_tf32x3", "tf32_x3_steps")
 # The Conformer layers' weight products (feed-forward, attention projections, conv pointwise):
-# None follows ``matmul``; 'pallas_tf32x3' as for the codec.
-ENCODER_MATMUL = (None, "pallas_tf32x3")
+# None follows ``matmul``; 'pallas_tf32x3' and 'tf32_x3_steps' as for the codec.
+ENCODER_MATMUL = (None, "pallas_tf32x3", "tf32_x3_steps")
 
 
 class KernelProduct(enum.Enum):
     """A weight product run by one of our kernels instead of XLA's dot (``common.dense``)."""
 
     TF32X3 = "tf32x3"  # pallas_kernels.matmul(precision='tf32x3')
+    TF32X3_STEPS = "tf32x3_steps"  # XLA's three-pass preset by steps (common.dense_in_steps)
 
 
 # A product's explicit ``precision=`` (static): None for the scope's (``Precision.scope()``).
@@ -236,6 +241,20 @@ class Precision:
         )
 
     @classmethod
+    def tf32x3_steps(cls) -> Precision:
+        """The reference policy with the encoder's, the speech decoder's and the codec's fp32
+        weight products as XLA's three-pass TF32 preset by steps of the contraction, the steps
+        added by a compensated sum (``'tf32_x3_steps'``, ``common.dense_in_steps``). A
+        candidate stand-in for the faithful products, not yet one: our compensated kernel
+        showed that this arithmetic is more exact than full fp32 on every product of the tick,
+        but ran slowly (``pallas_tf32x3``); whether XLA's dots keep the accuracy at the preset's
+        speed is ``experiments/fp32_products``'s question (``TF32_TF32_F32_X3_c<N>``), then
+        the tick's. Full fp32 off a GPU.
+        """
+        s = "tf32_x3_steps"
+        return cls(encoder_matmul=s, tts_matmul=s, codec_matmul=s)
+
+    @classmethod
     def bf16_tts_kv_tf32x3_tts_codec(cls) -> Precision:
         """``bf16_tts_kv_tf32x3_codec`` with the speech decoder's weight products as three TF32
         passes too (``tf32x3_tts_codec``). Not faithful: the KV cache is rounded to bf16."""
@@ -255,7 +274,8 @@ def lax_precision(
     'float32' is ``HIGHEST`` (full fp32); 'tensorfloat32' ``HIGH`` (TF32 inputs on a GPU, fp32 on
     the CPU); 'tf32_x3' and 'bf16_x6' are ``DotAlgorithmPreset`` s on a GPU and ``HIGHEST``
     elsewhere; 'pallas_tf32x3' is ``KernelProduct.TF32X3`` on a GPU (``common.dense`` runs it)
-    and ``HIGHEST`` elsewhere. ``platform``: the backend the product is traced for (default:
+    and ``HIGHEST`` elsewhere; 'tf32_x3_steps' likewise ``KernelProduct.TF32X3_STEPS``.
+    ``platform``: the backend the product is traced for (default:
     JAX's default).
     """
     if matmul not in CODEC_MATMUL:
@@ -263,6 +283,8 @@ def lax_precision(
     on_gpu = (platform or jax.default_backend()) == "gpu"
     if matmul == "pallas_tf32x3":
         return KernelProduct.TF32X3 if on_gpu else jax.lax.Precision.HIGHEST
+    if matmul == "tf32_x3_steps":
+        return KernelProduct.TF32X3_STEPS if on_gpu else jax.lax.Precision.HIGHEST
     if matmul in _PRESETS:
         if on_gpu:
             return getattr(jax.lax.DotAlgorithmPreset, _PRESETS[matmul])
@@ -285,6 +307,7 @@ POLICIES = {
     "tf32pair_tts": Precision.tf32pair_tts,
     "pallas_tf32x3_tts_codec": Precision.pallas_tf32x3_tts_codec,
     "pallas_tf32x3": Precision.pallas_tf32x3,
+    "tf32x3_steps": Precision.tf32x3_steps,
 }
 
 

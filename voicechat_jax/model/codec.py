@@ -295,7 +295,7 @@ def encode_latent_to_codes(params: CodecParams, latent: jax.Array) -> jax.Array:
 
 def _pointwise(x: jax.Array, w: jax.Array, prec: ProductPrecision = _HIGHEST) -> jax.Array:
     """A k1 Conv1d, x [B, T, C_in], w [1, C_in, C_out] -> [B, T, C_out]."""
-    if prec is KernelProduct.TF32X3:
+    if isinstance(prec, KernelProduct):
         return dense(x, w[0], precision=prec)
     return jnp.einsum("btc,co->bto", x, w[0].astype(x.dtype), precision=prec)
 
@@ -394,7 +394,7 @@ def _decoder_trunk(
     x, new_tails = latent, []
     for stage, tail in zip(dec.stages, tails, strict=True):
         C_in, C, r = stage.up.shape
-        if prec is KernelProduct.TF32X3:  # one [C_in, r * C] product, its columns step-major
+        if isinstance(prec, KernelProduct):  # one [C_in, r * C] product, its columns step-major
             y = dense(x, jnp.swapaxes(stage.up, 1, 2).reshape(C_in, r * C), precision=prec)
         else:
             y = jnp.einsum("btc,cor->btro", x, stage.up.astype(x.dtype), precision=prec)
@@ -474,8 +474,9 @@ def decode_step(
     latent = codes_to_latent(params, codes).astype(state.istft.dtype)
     logits, conv = _decoder_trunk(params.decoder, latent, state.conv, prec)
     # the inverse FFT's two small products stay XLA's (1 % of the FLOPs), in full fp32 under
-    # our kernel's products
-    return _stream_out(state, conv, logits, cfg, _HIGHEST if prec is KernelProduct.TF32X3 else prec)
+    # a ``KernelProduct``
+    out_prec = _HIGHEST if isinstance(prec, KernelProduct) else prec
+    return _stream_out(state, conv, logits, cfg, out_prec)
 
 
 def _stream_out(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -34,18 +35,60 @@ def dense(
     """``x @ w (+ b)`` with ``w`` stored [in, out] (a torch Linear [out, in] transposed);
     ``precision`` (static) as ``jnp.einsum``'s, None for the scope's
     (``Precision.scope()``), or ``KernelProduct.TF32X3`` (``pallas_kernels.matmul``'s three TF32
-    passes a step; the Pallas interpreter on the CPU). A ``TF32Pair`` weight is multiplied by
+    passes a step; the Pallas interpreter on the CPU), or ``KernelProduct.TF32X3_STEPS``
+    (``dense_in_steps``). A ``TF32Pair`` weight is multiplied by
     its pair (``dense_tf32_pair``; ``precision`` does not apply)."""
     if isinstance(w, TF32Pair):
         y = dense_tf32_pair(x, w.pair).astype(x.dtype)
     elif precision is KernelProduct.TF32X3:
         interpret = jax.default_backend() == "cpu"
         y = matmul(x, w, precision="tf32x3", out_dtype=F32, interpret=interpret).astype(x.dtype)
+    elif precision is KernelProduct.TF32X3_STEPS:
+        y = dense_in_steps(x, w).astype(x.dtype)
     else:
         y = jnp.einsum("...i,io->...o", x, w.astype(x.dtype), precision=precision)
     if b is not None:
         y = y + b.astype(y.dtype)
     return y
+
+
+# The rows of the contraction a step of ``dense_in_steps`` takes at most (its step is the
+# largest common divisor of this and the contraction, so that the weight splits without a copy).
+STEP_ROWS = 256
+
+
+def dense_in_steps(x: jax.Array, w: jax.Array, platform: str | None = None) -> jax.Array:
+    """``x @ w`` in fp32 with the contraction in steps: x [..., D], w [D, F] -> [..., F].
+
+    Each step of ``gcd(D, STEP_ROWS)`` rows is one product under XLA's three-pass TF32 preset
+    (``TF32_TF32_F32_X3``; full fp32 off a GPU), all steps in one batched dot, and the steps'
+    fp32 partials are added by a compensated (Kahan) sum. A multi-pass product keeps its running
+    sum in the matrix units, whose adds round, so on a long contraction it gathers more error
+    than full fp32 (the codec's products, an H100, 2026-12-06); summed a short step at a time
+    there and the steps here, our kernel's version of this arithmetic was more exact than full
+    fp32 on every fp32 product of the tick (2026-12-07, ``experiments/fp32_products``). The
+    partials cost one write and one read of D / step outputs."""
+    on_gpu = (platform or jax.default_backend()) == "gpu"
+    algorithm = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if on_gpu else jax.lax.Precision.HIGHEST
+    D, F = w.shape
+    step = math.gcd(D, STEP_ROWS)
+    n = D // step
+    lead = x.shape[:-1]
+    xs = x.astype(F32).reshape(-1, n, step)
+    parts = jnp.einsum(
+        "mnd,ndf->nmf",
+        xs,
+        w.astype(F32).reshape(n, step, F),
+        precision=algorithm,
+        preferred_element_type=F32,
+    )
+    total, carry = parts[0], jnp.zeros_like(parts[0])
+    for i in range(1, n):  # Kahan: ``carry`` holds what the last add rounded away
+        y = parts[i] - carry
+        t = total + y
+        carry = (t - total) - y
+        total = t
+    return total.reshape(*lead, F)
 
 
 def tf32_pair(w: jax.Array) -> jax.Array:
