@@ -158,12 +158,17 @@ def test_pallas_tf32x3_reaches_the_encoder_the_speech_decoder_and_the_codec(monk
     # (q, k and v apart: ten; a GPU's layout unrolls the layers and fuses q|k|v, eight a layer)
     assert kernel_calls(both[1]) == tts_products + codec_products + 10
 
-    enc = template.encoder
+    _assert_encoder_frames_match_fp32(params, template.encoder, "pallas_tf32x3")
+
+
+def _assert_encoder_frames_match_fp32(params, enc, encoder_matmul: str) -> None:
+    """Two frames of the encoder with its weight products under ``encoder_matmul`` (as
+    ``lax_precision`` gives it where this runs) equal full fp32's to summation order."""
     samples = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2 * 1280)), jnp.float32)
     step = functools.partial(conformer.encoder_step, cfg=CFG.encoder)
     _, want, _ = step(params.encoder, enc, samples, precision=Precision.fp32())
-    kernel = dataclasses.replace(Precision.fp32(), encoder_matmul="pallas_tf32x3")
-    _, got, _ = step(params.encoder, enc, samples, precision=kernel)
+    asked = dataclasses.replace(Precision.fp32(), encoder_matmul=encoder_matmul)
+    _, got, _ = step(params.encoder, enc, samples, precision=asked)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
@@ -203,12 +208,7 @@ def test_tf32x3_steps_reach_the_encoder_the_speech_decoder_and_the_codec(monkeyp
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
 
     enc = voicechat.initial_state(params, cfg=CFG, precision=Precision.fp32(), max_len=16).encoder
-    samples = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2 * 1280)), jnp.float32)
-    encoder_step = functools.partial(conformer.encoder_step, cfg=CFG.encoder)
-    _, want, _ = encoder_step(params.encoder, enc, samples, precision=Precision.fp32())
-    stepped_prec = dataclasses.replace(Precision.fp32(), encoder_matmul="tf32_x3_steps")
-    _, got, _ = encoder_step(params.encoder, enc, samples, precision=stepped_prec)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    _assert_encoder_frames_match_fp32(params, enc, "tf32_x3_steps")
 
 
 def test_a_tf32_pair_product_has_fp32s_error():

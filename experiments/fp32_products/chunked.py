@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from voicechat_jax.model.common import kahan_sum
+
 
 def chunked_weight(w, chunk: int):
     """[D, F] -> [n, chunk, F]: the contraction cut into n steps of ``chunk`` rows, the last
@@ -30,11 +32,5 @@ def chunked_products(x, wcs, *, precision):
         parts = jnp.einsum(
             "rnd,ndf->nrf", xc, wc, precision=precision, preferred_element_type=jnp.float32
         )
-        total, carry = parts[0], jnp.zeros_like(parts[0])
-        for i in range(1, n):  # Kahan: ``carry`` holds what the last add rounded away
-            y = parts[i] - carry
-            t = total + y
-            carry = (t - total) - y
-            total = t
-        out.append(total)
+        out.append(kahan_sum(parts))
     return tuple(out)

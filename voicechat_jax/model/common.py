@@ -82,13 +82,20 @@ def dense_in_steps(x: jax.Array, w: jax.Array, platform: str | None = None) -> j
         precision=algorithm,
         preferred_element_type=F32,
     )
+    return kahan_sum(parts).reshape(*lead, F)
+
+
+def kahan_sum(parts: jax.Array) -> jax.Array:
+    """``parts`` [n, ...] summed over its first axis by a compensated (Kahan) sum, in order:
+    each add's rounding error is carried into the next. Unrolled (n is a product's step count,
+    at most a few dozen), so that XLA fuses the n adds into one pass over the parts."""
     total, carry = parts[0], jnp.zeros_like(parts[0])
-    for i in range(1, n):  # Kahan: ``carry`` holds what the last add rounded away
+    for i in range(1, parts.shape[0]):  # ``carry`` holds what the last add rounded away
         y = parts[i] - carry
         t = total + y
         carry = (t - total) - y
         total = t
-    return total.reshape(*lead, F)
+    return total
 
 
 def tf32_pair(w: jax.Array) -> jax.Array:
