@@ -79,15 +79,15 @@ chunked="python3 experiments/fp32_products/run.py --slots=96 --shapes=tts,mog,en
 # experiments/lower_for_cuda.py).
 g1=$((slots >= 56 ? 0 : 1))
 if ((g1)); then full+=" --tts_attention=pallas_mha"; fi
-beside="$prof $full --out_dir=/tmp/tp_ref_$slots $log; $(keep_profile ref_$slots); \
+reference="$prof $full --out_dir=/tmp/tp_ref_$slots $log; $(keep_profile ref_$slots)"
+beside="$reference; \
 $prof $full --codec_in_attention --codec_frame_behind --out_dir=/tmp/tp_cfb_$slots $log; \
 $(keep_profile cfb_$slots)"
 # then the tick under tf32x3_steps (added 2026-12-07, 22:35 UTC): the encoder's, the speech
 # decoder's and the codec's fp32 products as the chunked products above, in steps of up to 256
 # rows (common.dense_in_steps), against the reference tick on the same machine; its digests say
 # whether the tokens and codes move. Worth reading only if the products above were as exact as
-# full fp32 on every shape.
-reference="$prof $full --out_dir=/tmp/tp_ref_$slots $log; $(keep_profile ref_$slots)"
+# full fp32 on every shape. (On an H100 the reference tick runs alone first.)
 steps="$prof $full --policy=tf32x3_steps --out_dir=/tmp/tp_steps_$slots $log; \
 $(keep_profile steps_$slots)"
 if ((h200)); then  # an H200 (2026-12-05, a6cb770: 80 faithful and 112 bf16 held, dispatch)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from voicechat_jax.model.common import kahan_sum
+from voicechat_jax.model.common import dense_steps
 
 
 def chunked_weight(w, chunk: int):
@@ -19,18 +19,10 @@ def chunked_weight(w, chunk: int):
 
 
 def chunked_products(x, wcs, *, precision):
-    """``products`` with each contraction cut into steps (``chunked_weight``): every step's
-    product under ``precision`` in one batched dot (each step's running sum held in the matrix
-    units for ``chunk`` terms only), the steps' fp32 partials added by a compensated (Kahan)
-    sum. Where a multi-pass preset loses to full fp32 on a long contraction, the loss gathered
-    over the whole contraction inside the matrix units; this keeps it to one step's."""
-    out = []
-    for wc in wcs:
-        n, chunk, _ = wc.shape
-        R, D = x.shape
-        xc = jnp.pad(x, ((0, 0), (0, n * chunk - D))).reshape(R, n, chunk)
-        parts = jnp.einsum(
-            "rnd,ndf->nrf", xc, wc, precision=precision, preferred_element_type=jnp.float32
-        )
-        out.append(kahan_sum(parts))
-    return tuple(out)
+    """``products`` with each contraction cut into steps (``chunked_weight``), as
+    ``common.dense_steps`` runs them: every step's product under ``precision`` in one batched dot
+    (each step's running sum held in the matrix units for ``chunk`` terms only), the steps' fp32
+    partials added by a compensated (Kahan) sum. Where a multi-pass preset loses to full fp32 on
+    a long contraction, the loss gathered over the whole contraction inside the matrix units;
+    this keeps it to one step's."""
+    return tuple(dense_steps(x, wc, precision) for wc in wcs)

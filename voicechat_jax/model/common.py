@@ -72,15 +72,20 @@ def dense_in_steps(x: jax.Array, w: jax.Array, platform: str | None = None) -> j
     algorithm = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if on_gpu else jax.lax.Precision.HIGHEST
     D, F = w.shape
     step = math.gcd(D, STEP_ROWS)
-    n = D // step
-    lead = x.shape[:-1]
-    xs = x.astype(F32).reshape(-1, n, step)
+    return dense_steps(x, w.reshape(D // step, step, F), algorithm)
+
+
+def dense_steps(x: jax.Array, w_steps: jax.Array, precision: ProductPrecision) -> jax.Array:
+    """``x @ w`` in fp32 from w laid out in steps of its contraction: x [..., D], w_steps
+    [n, s, F] with n * s >= D (rows past D zero) -> [..., F]. Every step's product under
+    ``precision`` in one batched dot, the steps' fp32 partials added by ``kahan_sum``: the
+    arithmetic of ``dense_in_steps``, and of ``experiments/fp32_products``' ``<algorithm>_c<N>``
+    at any step and algorithm."""
+    n, s, F = w_steps.shape
+    lead, D = x.shape[:-1], x.shape[-1]
+    xs = jnp.pad(x.astype(F32).reshape(-1, D), ((0, 0), (0, n * s - D))).reshape(-1, n, s)
     parts = jnp.einsum(
-        "mnd,ndf->nmf",
-        xs,
-        w.astype(F32).reshape(n, step, F),
-        precision=algorithm,
-        preferred_element_type=F32,
+        "mnd,ndf->nmf", xs, w_steps.astype(F32), precision=precision, preferred_element_type=F32
     )
     return kahan_sum(parts).reshape(*lead, F)
 
