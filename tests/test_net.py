@@ -595,6 +595,34 @@ def test_a_queued_caller_is_admitted_when_the_live_one_leaves(engine):
     assert s.server.slots.refused == 0
 
 
+def test_a_call_cut_off_by_the_fronts_stop_still_hears_the_shutdown(engine):
+    """The front stops while the server still serves a call (its grace runs out before the
+    server's end reaches the call: a loaded host): the client still gets the shutdown's error
+    and end, and a 1001 close, not a bare close."""
+    with serving(engine, clock="realtime", keep_outputs=False) as s:
+        s.begin()
+        assert _wait_until(lambda: s.front.readiness()[0], 30)
+
+        async def call():
+            async with Caller(s.ws_url) as c:
+                talking = asyncio.create_task(c.audio(100))
+                await c.wait("response.output_audio.delta", timeout=10)
+                await asyncio.to_thread(s.front.stop, 0.1)
+                await asyncio.wait_for(c.closed.wait(), 5)
+                talking.cancel()
+                await asyncio.gather(talking, return_exceptions=True)
+                return c
+
+        c = asyncio.run(call())
+        # The front released the slot as shut down, and the server, still running, freed it.
+        assert _wait_until(lambda: len(s.server.slots) == 0, 5)
+    assert s.server.ended[c.sid] == "the network front stopped"
+    why = f"close {c.ws.close_code}, events {c.types()}"
+    assert c.errors() == ["server_shutting_down"], why
+    assert c.of("voicechat.session.ended")[0]["reason"] == "shutdown", why
+    assert c.ws.close_code == 1001, why
+
+
 def test_offline_output_unchanged_by_faulty_neighbours(engine):
     """On the offline clock a scripted call's output is exactly what it is alone, while network
     calls beside it send garbage, flood, and vanish."""
@@ -698,8 +726,9 @@ def test_serve_listen_drains_on_sigterm(tmp_path):
     assert "the resident loop compiled and warmed" in stderr
     assert closed_s < 5.0
     for c in (a, b):
-        assert "server_shutting_down" in c.errors()
-        assert c.of("voicechat.session.ended")[0]["reason"] == "shutdown"
+        why = f"{c.sid}: close {c.ws.close_code}, events {c.types()}\n{stderr[-3000:]}"
+        assert "server_shutting_down" in c.errors(), why
+        assert c.of("voicechat.session.ended")[0]["reason"] == "shutdown", why
         assert c.of("response.done")
         assert c.ws.close_code == 1001
     rolled = a.of("voicechat.session.rolled_over")[0]

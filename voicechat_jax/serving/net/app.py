@@ -52,13 +52,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from voicechat_jax.serving import audio as audio_lib
+from voicechat_jax.serving.fanout import SHUTDOWN
 from voicechat_jax.serving.hub import CLIENT_ERROR, HubClosedError, Join
 from voicechat_jax.serving.net import auth
 from voicechat_jax.serving.net import protocol as p
 from voicechat_jax.serving.report import SummaryCollector
 from voicechat_jax.serving.scheduler import AdmissionControl
 from voicechat_jax.serving.sessions import CapacityError
-from voicechat_jax.serving.writer import OutputStream
+from voicechat_jax.serving.writer import OutputStream, StreamEnd
 
 WEB_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "web")
 REALTIME_PATH = "/v1/realtime"
@@ -278,6 +279,7 @@ class NetFront:
         self.guard = _ConnectionGuard(self.config.max_pending_connections)
         self._listener: asyncio.AbstractServer | None = None
         self._calls: set[asyncio.Task] = set()
+        self.closing = False  # ``stop`` began: the calls left get the grace, then their end
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -312,6 +314,7 @@ class NetFront:
             logging.warning("the network front did not shut down cleanly: %s", e)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10.0)
+        self._loop = self._thread = None  # stopped: a second stop does nothing
 
     def _main(self) -> None:
         loop = asyncio.new_event_loop()
@@ -374,6 +377,7 @@ class NetFront:
             )
 
     async def _shutdown(self, grace_s: float) -> None:
+        self.closing = True  # a call cut off below still sends the shutdown end
         if self._listener is not None:
             self._listener.close()  # no new connection; the open ones end below
         calls = list(self._calls)
@@ -557,9 +561,7 @@ class _Call:
         # under it, so that no event of a frame the client has just cancelled follows the cancel.
         self.lock = asyncio.Lock()
         self.wake = asyncio.Event()
-        self.stream = OutputStream(
-            self.cfg.output_beats, notify=lambda: self.loop.call_soon_threadsafe(self.wake.set)
-        )
+        self.stream = OutputStream(self.cfg.output_beats, notify=self._wake_sender)
         self.input = p.InputAudio(self.session.input_rate)
         self.output = p.OutputAudio(self.session.output_rate)
         self.record = None  # the server's ``Session`` record once admitted
@@ -671,6 +673,13 @@ class _Call:
             crashed = [r for r in results if isinstance(r, Exception)]  # a bug here
             for e in crashed:
                 logging.error("call %s: %s: %s", self.sid, type(e).__name__, e, exc_info=e)
+            if self.front.closing and not self.ended and not self.released and not self.ws.closed:
+                # The front's grace ran out before the server's end reached this call (a beat
+                # or the writer behind on a loaded host): the end the server gives every session
+                # it stops, so that the client still hears why the call ends.
+                with contextlib.suppress(TimeoutError, ConnectionError, RuntimeError):
+                    await self.finish(StreamEnd(SHUTDOWN, "the network front stopped"))
+                self.hub.release(self.sid, SHUTDOWN, "the network front stopped")
             if not self.ended and not self.released:
                 self.release("left", "the connection closed")
             if not self.ws.closed:
@@ -679,6 +688,11 @@ class _Call:
                 with contextlib.suppress(Exception):
                     await self.ws.close(code=code)
             logging.info("call %s ended (%d frames sent)", self.sid, self.frames)
+
+    def _wake_sender(self) -> None:
+        """The stream's notify (writer thread): a beat or the end is queued for the sender."""
+        with contextlib.suppress(RuntimeError):  # the front's loop is closed: no one to wake
+            self.loop.call_soon_threadsafe(self.wake.set)
 
     def release(self, why: str, detail: str) -> None:
         if not self.released and not self.ended:
