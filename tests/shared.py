@@ -13,6 +13,7 @@ and handed out by configuration:
 - ``engine(serve, staged=...)``: one ``Engine`` per configuration, ``reset`` (every slot back to
   the template, the compiled tick kept) each time it is handed out. Tests that count compiles of
   a fresh engine, or that change an engine beyond its state, build their own;
+- ``initial_state(params, **static)``: ``voicechat.initial_state`` jitted, per static arguments;
 - ``sub_jaxprs(eqn)``: the jaxprs nested in an equation, for the tests that walk a traced frame.
 
 Nothing here may be mutated by a test.
@@ -59,6 +60,17 @@ def nemo_module(name: str):
 
 def _policy(precision: precision_lib.Precision | str) -> precision_lib.Precision:
     return precision_lib.POLICIES[precision]() if isinstance(precision, str) else precision
+
+
+def initial_state(params, **static) -> voicechat.FrameState:
+    """``voicechat.initial_state(params, **static)`` jitted, one program per process and set of
+    static arguments: op by op it compiled each of its ~400 operations on its own."""
+    return _initial_state_program(**static)(params)
+
+
+@functools.cache
+def _initial_state_program(**static):
+    return jax.jit(functools.partial(voicechat.initial_state, **static))
 
 
 def params(precision: precision_lib.Precision | str = "fp32") -> voicechat.ModelParams:

@@ -257,7 +257,7 @@ def test_served_frames_equal_the_model_alone(engine, params):
             kernels=Kernels(codec_in_attention=True, codec_frame_behind=True),
         )
     )
-    fresh = voicechat.initial_state(
+    fresh = shared.initial_state(
         params, cfg=CFG, precision=PREC, max_len=64, codec_frame_behind=True
     )
     idle = fresh.replace(codec=fresh.codec.replace(pending=jnp.zeros_like(fresh.codec.pending)))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import shared
 from tests.reference import nemo_ref
 from voicechat_jax.config import EOS_ID, PAD_ID
 from voicechat_jax.keys import load_params
@@ -66,7 +67,7 @@ def reference(nemo_tiny, tiny_cfg, speech):
 @pytest.fixture(scope="module")
 def ours(params, tiny_cfg, speech):
     """Our whole model over the clip, two frames per call (the default beat), deterministic."""
-    template = voicechat.initial_state(
+    template = shared.initial_state(
         params, cfg=tiny_cfg, precision=F32, max_len=N_FRAMES, deterministic=True
     )
     advance = jax.jit(
@@ -140,7 +141,7 @@ def test_speaking_half_matches_nemo(params, tiny_cfg, nemo_tiny):
     text[rng.random(72) < 0.4] = PAD_ID
     text[[20, 50]] = EOS_ID
     ref = nemo_ref.nemo_speak(nemo_tiny, text)
-    template = voicechat.initial_state(
+    template = shared.initial_state(
         params, cfg=cfg, precision=F32, max_len=len(text), deterministic=True
     )
     tts_state, codec_state = template.tts, template.codec
@@ -180,7 +181,7 @@ def test_whole_model_matches_nemo(ours, reference):
 
 def test_one_frame_per_call_equals_two(params, tiny_cfg, speech, ours):
     """k frames in one call equal k calls of one frame, for the whole model."""
-    template = voicechat.initial_state(
+    template = shared.initial_state(
         params, cfg=tiny_cfg, precision=F32, max_len=N_FRAMES, deterministic=True
     )
     advance = jax.jit(
@@ -207,7 +208,7 @@ def test_system_prompt_template_matches_nemo(params, tiny_cfg, nemo_tiny, speech
     n = 24
     listen = nemo_ref.nemo_listen(nemo_tiny, reference["proj"][:n], system_prompt_ids=list(prompt))
     speak = nemo_ref.nemo_speak(nemo_tiny, np.concatenate([[PAD_ID] * len(prompt), listen["text"]]))
-    template = voicechat.initial_state(
+    template = shared.initial_state(
         params, cfg=tiny_cfg, precision=F32, max_len=n, system_prompt=prompt, deterministic=True
     )
     advance = jax.jit(

@@ -135,7 +135,7 @@ def test_pallas_tf32x3_reaches_the_encoder_the_speech_decoder_and_the_codec(monk
     assert _lowered_tick(both[1]) == _lowered_tick(Precision.reference())
 
     params = voicechat.serving_layout(shared.params("fp32"))
-    template = voicechat.initial_state(params, cfg=CFG, precision=Precision.fp32(), max_len=16)
+    template = shared.initial_state(params, cfg=CFG, precision=Precision.fp32(), max_len=16)
     gpu = functools.partial(lax_precision, platform="gpu")
     monkeypatch.setattr(precision_lib, "lax_precision", lambda m, _=None: gpu(m))
     monkeypatch.setattr(codec, "lax_precision", lambda m, _=None: gpu(m))
@@ -207,7 +207,7 @@ def test_tf32x3_steps_reach_the_encoder_the_speech_decoder_and_the_codec(monkeyp
     assert got.shape == (2, 3, 40)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
 
-    enc = voicechat.initial_state(params, cfg=CFG, precision=Precision.fp32(), max_len=16).encoder
+    enc = shared.initial_state(params, cfg=CFG, precision=Precision.fp32(), max_len=16).encoder
     _assert_encoder_frames_match_fp32(params, enc, "tf32_x3_steps")
 
 

@@ -83,12 +83,15 @@ def test_reseed_state(engine):
     for x, y in zip(_leaves(before), _leaves(after), strict=True):
         np.testing.assert_array_equal(x[0], y[0])
         np.testing.assert_array_equal(x[2], y[2])
+
     # Slot 1: the LLM is the template followed by the capsule's 4 tokens.
-    pads = jnp.full((1, 4), PAD_ID, jnp.int32)
-    e = nano.input_embedding(
-        params.llm, pads, pads, nano.embed(params.llm, jnp.asarray([[9, 10, 11, 12]])), cfg=CFG.llm
-    )
-    want, _ = nano.prefill(params.llm, engine.template.llm, e, cfg=CFG.llm)
+    @jax.jit
+    def prefill(p, state, ids):  # one program, not ~300 operations compiled one by one
+        pads = jnp.full(ids.shape, PAD_ID, jnp.int32)
+        e = nano.input_embedding(p, pads, pads, nano.embed(p, ids), cfg=CFG.llm)
+        return nano.prefill(p, state, e, cfg=CFG.llm)[0]
+
+    want = prefill(params.llm, engine.template.llm, jnp.asarray([[9, 10, 11, 12]]))
     got = _leaves(jax.tree_util.tree_map(lambda a: a[1:2], after.llm))
     for x, y in zip(_leaves(want), got, strict=True):
         np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)

@@ -9,6 +9,7 @@ beat, and the compiled programs must have only loops of known trip count.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import chex
@@ -130,7 +131,8 @@ def test_an_empty_capsule_leaves_the_templates_llm_state(params, rollover_pair):
     t = staged.template
     U = staged.serve.capsule_tokens
     ids = np.arange(U, dtype=np.int32)[None]
-    llm = step_lib._capsule_llm(params, t, ids, np.zeros((1,), np.int32), cfg=CFG)
+    capsule_llm = jax.jit(functools.partial(step_lib._capsule_llm, cfg=CFG))
+    llm = capsule_llm(params, t, ids, np.zeros((1,), np.int32))
     chex.assert_trees_all_equal(jax.device_get(llm), jax.device_get(t.llm))
 
 
