@@ -242,6 +242,7 @@ def test_step_as_products_equals_the_step(cfg, params, codes, ours_stream):
         asked.append(products.asked)
         return out
 
+    decode_step = jax.jit(codec.decode_step, static_argnames="cfg")
     spf = cfg.samples_per_frame
     n = len(codec._product_flops(params, B))
     # one frame a call, and two, the second with three places more than products: the three
@@ -253,7 +254,7 @@ def test_step_as_products_equals_the_step(cfg, params, codes, ours_stream):
         for t in range(0, 4, k):
             chunk = jnp.asarray(codes[:, t : t + k])
             state, wav = by_products(params, state, chunk, cfg=cfg, launches=launches)
-            ref_state, _ = codec.decode_step(params, ref_state, chunk, cfg=cfg)
+            ref_state, _ = decode_step(params, ref_state, chunk, cfg=cfg)
             out.append(np.asarray(wav))
         assert rel_err(np.concatenate(out, axis=1), ours_stream[:, : 4 * spf]) <= 1e-5
         chex.assert_trees_all_close(state, ref_state, atol=1e-5, rtol=0)

@@ -22,7 +22,7 @@ from voicechat_jax.precision import Precision
 def test_inlined_codec_step_makes_no_call_and_matches():
     c = config_lib.tiny().codec
     prec = Precision.reference()
-    params = codec.init(jax.random.key(1), c, prec)
+    params = jax.jit(codec.init, static_argnums=(1, 2))(jax.random.key(1), c, prec)
     state = codec.init_state(c, 2, prec)
     codes = jnp.asarray(
         np.random.default_rng(0).integers(0, c.codebook_size, (2, 2, c.n_quantizers))
