@@ -674,12 +674,13 @@ class _Call:
             for e in crashed:
                 logging.error("call %s: %s: %s", self.sid, type(e).__name__, e, exc_info=e)
             if self.front.closing and not self.ended and not self.released and not self.ws.closed:
-                # The front's grace ran out before the server's end reached this call (a beat
-                # or the writer behind on a loaded host): the end the server gives every session
-                # it stops, so that the client still hears why the call ends.
+                # The front's grace ran out before the server's end reached this call: the end
+                # the server gives every session it stops, so that the client still hears why
+                # the call ends, and the slot freed as shut down.
+                detail = "the network front stopped"
+                self.release(SHUTDOWN, detail)
                 with contextlib.suppress(TimeoutError, ConnectionError, RuntimeError):
-                    await self.finish(StreamEnd(SHUTDOWN, "the network front stopped"))
-                self.hub.release(self.sid, SHUTDOWN, "the network front stopped")
+                    await self.finish(StreamEnd(SHUTDOWN, detail))
             if not self.ended and not self.released:
                 self.release("left", "the connection closed")
             if not self.ws.closed:
