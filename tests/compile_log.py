@@ -9,9 +9,9 @@ at its end: one row per event of ``jax.monitoring`` whose name holds "compile", 
 "mlir", as ``[test node id, event, function name, seconds]``, and two rows a test of the CPU
 seconds it took (setup, call and teardown), its own (``cpu_self``, every thread of the worker)
 and its finished subprocesses' (``cpu_children``); a module- or session-scoped fixture's compiles
-and CPU count against the first test that set it up. Subprocesses (the mesh worker,
-``voicechat-serve`` runs) are not logged. The seconds are wall time inside the process: with
-three workers on two cores they include the wait for a core.
+and CPU count against the first test that set it up. Subprocesses' events (the mesh worker,
+``voicechat-serve`` runs) are not logged, only their CPU. The events' seconds are wall time
+inside the process: with three workers on two cores they include the wait for a core.
 """
 
 from __future__ import annotations
